@@ -1,0 +1,442 @@
+"""`Comm`: the one door through which every lowband collective passes.
+
+A :class:`Comm` wraps one process group. Each call records a :class:`CommRecord` in a
+:class:`CommLedger` (op, group, size, elements, wire dtype, ring-model wire bytes, elapsed time) and
+chooses an algorithm per backend:
+
+========================  =============================  ===================================
+op                        gloo (CPU tensors)             NCCL (CUDA tensors)
+========================  =============================  ===================================
+reduce_scatter            all_to_all + local sum         native (all_to_all + sum if the
+                                                         wire dtype is narrower than fp32)
+all_gather                one async broadcast per rank   native
+all_reduce                native (wire = tensor dtype);  same
+                          RS(all_to_all)+AG for bf16
+all_to_all, broadcast     native                         native
+========================  =============================  ===================================
+
+Why: gloo emulates ``reduce_scatter_tensor`` with an all-reduce (2x the bytes) and its
+``all_gather_into_tensor`` is slower than N broadcasts; ``python -m lowband.bench comm`` measures it.
+Override per op with ``Comm(algorithms={"reduce_scatter": "native"})``.
+
+Precision: a wire dtype narrower than the tensor (bf16) is used only for the bytes on the wire; every
+reduction is accumulated in fp32 (fp64 for fp64 tensors), in rank order, so all ranks get identical
+results and a single-process reference can reproduce them exactly.
+
+Every op returns a :class:`CommHandle`; with ``async_op=False`` it is already complete.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from lowband.comm.ledger import CommLedger, CommRecord, default_ledger, dtype_name, ring_wire_bytes
+
+ALGORITHMS: dict[str, tuple[str, ...]] = {
+    "reduce_scatter": ("native", "alltoall"),
+    "all_gather": ("native", "broadcast"),
+    "all_reduce": ("native", "rs+ag"),
+}
+REDUCE_OPS = ("sum", "avg", "max", "min")
+_FLOAT_WIRE = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+class CommHandle:
+    """Completion handle of one collective.
+
+    ``wait()`` blocks until the data is in place (running any local post-processing such as the
+    reduce-scatter's local sum), fills the ledger record's ``elapsed_s`` and returns the output
+    tensor. Calling it again is a no-op.
+    """
+
+    def __init__(self, record: CommRecord, works: Sequence[dist.Work], t0: float,
+                 finish: Callable[[], None] | None, result: torch.Tensor | None) -> None:
+        self.record = record
+        self._works = list(works)
+        self._t0 = t0
+        self._finish = finish
+        self._result = result
+        self._done = False
+
+    def wait(self) -> torch.Tensor | None:
+        if not self._done:
+            for w in self._works:
+                w.wait()
+            if self._finish is not None:
+                self._finish()
+            self._done = True
+            self.record.elapsed_s = time.perf_counter() - self._t0
+            self._works = []
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._done or all(w.is_completed() for w in self._works)
+
+    def future(self) -> torch.futures.Future:
+        """A ``torch.futures.Future`` resolving to the result (for DDP communication hooks)."""
+        if not self._done and len(self._works) == 1:
+            return self._works[0].get_future().then(lambda _fut: self.wait())
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self.wait())
+        return fut
+
+
+def _check_float_wire(wire: torch.dtype, tensor: torch.Tensor, what: str) -> None:
+    if wire != tensor.dtype and (wire not in _FLOAT_WIRE or not tensor.is_floating_point()):
+        raise ValueError(f"{what}: wire_dtype {wire} is not allowed for a {tensor.dtype} tensor; "
+                         "use the tensor's own dtype, or bfloat16/float16/float32 for float tensors")
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    if dtype == torch.float64:
+        return torch.float64
+    if dtype.is_floating_point:
+        return torch.float32
+    return dtype
+
+
+class Comm:
+    """Collectives over one process group, each recorded in a :class:`CommLedger`.
+
+    Args:
+        group: the process group; ``None`` means the default (world) group, or a single-process
+            stand-in when ``torch.distributed`` is not initialized.
+        name: the group's name in ledger records (``"world"``, ``"dp"``, ``"tp"``, ...).
+        ledger: where records go; defaults to the process-wide :func:`default_ledger`.
+        algorithms: per-op algorithm override, e.g. ``{"reduce_scatter": "native"}``; see
+            ``ALGORITHMS`` for the allowed values.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, name: str = "world",
+                 ledger: CommLedger | None = None,
+                 algorithms: Mapping[str, str] | None = None) -> None:
+        self.group = group
+        self.name = name
+        self.ledger = ledger if ledger is not None else default_ledger()
+        self.algorithms = dict(algorithms or {})
+        for op, algo in self.algorithms.items():
+            if op not in ALGORITHMS or algo not in ALGORITHMS[op]:
+                allowed = {k: list(v) for k, v in ALGORITHMS.items()}
+                raise ValueError(f"Comm algorithms: {op}={algo!r} is not allowed; allowed: {allowed}")
+        if dist.is_available() and dist.is_initialized():
+            self.size = dist.get_world_size(group)
+            self.rank = dist.get_rank(group)
+            if self.rank < 0:
+                raise ValueError(f"Comm {name!r}: this process is not a member of the group")
+            backend = str(dist.get_backend(group))
+            self.backends = backend
+        else:
+            if group is not None:
+                raise ValueError(f"Comm {name!r}: a group was given but torch.distributed is not "
+                                 "initialized")
+            self.size, self.rank, self.backends = 1, 0, "local"
+
+    def __repr__(self) -> str:
+        return f"Comm(name={self.name!r}, rank={self.rank}, size={self.size}, backend={self.backends!r})"
+
+    # ----------------------------------------------------------------------------------- helpers
+    def global_rank(self, group_rank: int) -> int:
+        """Global rank of ``group_rank`` in this group."""
+        if self.size == 1 and self.backends == "local":
+            return 0
+        if self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+    def _is_nccl(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_cuda and "nccl" in self.backends
+
+    def _algo(self, op: str, default: str) -> str:
+        return self.algorithms.get(op, default)
+
+    def _record(self, op: str, numel: int, wire: torch.dtype, wire_bytes: int, algorithm: str,
+                tag: str, async_op: bool) -> CommRecord:
+        return self.ledger.add(CommRecord(op=op, group=self.name, group_size=self.size, numel=numel,
+                                          wire_dtype=dtype_name(wire), wire_bytes=wire_bytes,
+                                          algorithm=algorithm, tag=tag, async_op=async_op))
+
+    @staticmethod
+    def _finish_handle(handle: CommHandle, async_op: bool) -> CommHandle:
+        if not async_op:
+            handle.wait()
+        return handle
+
+    # ------------------------------------------------------------------------------- all_reduce
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, wire_dtype: torch.dtype | None = None,
+                   async_op: bool = False, tag: str = "") -> CommHandle:
+        """Reduce ``tensor`` in place over the group (``sum``, ``avg``, ``max`` or ``min``).
+
+        With a wire dtype narrower than the tensor (bf16), runs as reduce-scatter (fp32 local sum)
+        plus all-gather of the reduced chunks, both on the narrow wire; bytes are counted on the
+        buffer padded to a multiple of N.
+        """
+        if op not in REDUCE_OPS:
+            raise ValueError(f"all_reduce: op {op!r} not in {REDUCE_OPS}")
+        wire = wire_dtype or tensor.dtype
+        _check_float_wire(wire, tensor, "all_reduce")
+        t0 = time.perf_counter()
+        n = self.size
+        esize = torch.empty((), dtype=wire).element_size()
+        if n == 1:
+            rec = self._record("all_reduce", tensor.numel(), wire, 0, "local", tag, async_op)
+            if wire != tensor.dtype:  # same rounding as on the wire, so numerics don't depend on N
+                tensor.copy_(tensor.to(wire))
+            return self._finish_handle(CommHandle(rec, [], t0, None, tensor), async_op)
+        if wire == tensor.dtype:
+            algo = "native"
+            rec = self._record("all_reduce", tensor.numel(), wire,
+                               ring_wire_bytes("all_reduce", n, tensor.numel() * esize), algo, tag,
+                               async_op)
+            dop = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+                   "min": dist.ReduceOp.MIN}[op]
+            work = dist.all_reduce(tensor, op=dop, group=self.group, async_op=True)
+            finish = (lambda: tensor.div_(n)) if op == "avg" else None
+            return self._finish_handle(CommHandle(rec, [work], t0, finish, tensor), async_op)
+        if op not in ("sum", "avg"):
+            raise ValueError(f"all_reduce: op {op!r} needs wire_dtype equal to the tensor dtype")
+        # Two-phase: RS with local high-precision sum, then AG of the reduced chunk, narrow wire.
+        flat = tensor.reshape(-1)
+        chunk = -(-flat.numel() // n)
+        padded = torch.zeros(chunk * n, dtype=wire, device=tensor.device)
+        padded[: flat.numel()].copy_(flat)
+        recv = torch.empty_like(padded)
+        rec = self._record("all_reduce", tensor.numel(), wire,
+                           ring_wire_bytes("all_reduce", n, padded.numel() * esize), "rs+ag", tag,
+                           async_op)
+        work = dist.all_to_all_single(recv, padded, group=self.group, async_op=True)
+        acc_dtype = _acc_dtype(tensor.dtype)
+
+        def finish() -> None:
+            parts = recv.view(n, chunk)
+            acc = parts[0].to(acc_dtype)
+            for i in range(1, n):
+                acc.add_(parts[i])
+            if op == "avg":
+                acc.div_(n)
+            gathered = torch.empty(chunk * n, dtype=wire, device=tensor.device)
+            mine = acc.to(wire)
+            works = [dist.broadcast(gathered[r * chunk:(r + 1) * chunk] if r != self.rank else mine,
+                                    group=self.group, group_src=r, async_op=True) for r in range(n)]
+            for w in works:
+                w.wait()
+            gathered[self.rank * chunk:(self.rank + 1) * chunk].copy_(mine)
+            flat.copy_(gathered[: flat.numel()])
+            if flat.data_ptr() != tensor.data_ptr():
+                tensor.copy_(flat.view_as(tensor))
+
+        return self._finish_handle(CommHandle(rec, [work], t0, finish, tensor), async_op)
+
+    # --------------------------------------------------------------------------- reduce_scatter
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *,
+                       wire_dtype: torch.dtype | None = None, async_op: bool = False,
+                       tag: str = "") -> CommHandle:
+        """``output`` (this rank's chunk) = reduction over ranks of chunk ``rank`` of ``input``.
+
+        ``input`` holds N equal contiguous chunks (``input.numel() == N * output.numel()``). Only
+        ``sum`` and ``avg``. The local sum runs in rank order in fp32 (fp64 for fp64 outputs).
+        """
+        if op not in ("sum", "avg"):
+            raise ValueError(f"reduce_scatter: op {op!r} not in ('sum', 'avg')")
+        n = self.size
+        if input.numel() != n * output.numel():
+            raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected "
+                             f"{n} x {output.numel()} (group size x output)")
+        if not (input.is_contiguous() and output.is_contiguous()):
+            raise ValueError("reduce_scatter: input and output must be contiguous")
+        wire = wire_dtype or input.dtype
+        _check_float_wire(wire, input, "reduce_scatter")
+        esize = torch.empty((), dtype=wire).element_size()
+        t0 = time.perf_counter()
+        if n == 1:
+            rec = self._record("reduce_scatter", input.numel(), wire, 0, "local", tag, async_op)
+            output.copy_(input.reshape(output.shape) if wire == input.dtype
+                         else input.to(wire).reshape(output.shape))
+            return self._finish_handle(CommHandle(rec, [], t0, None, output), async_op)
+        nbytes = ring_wire_bytes("reduce_scatter", n, input.numel() * esize)
+        acc_dtype = _acc_dtype(output.dtype)
+        native_ok = self._is_nccl(input) and wire == input.dtype == output.dtype and (
+            wire in (torch.float32, torch.float64) or not wire.is_floating_point)
+        algo = self._algo("reduce_scatter", "native" if native_ok else "alltoall")
+        if algo == "native":
+            rec = self._record("reduce_scatter", input.numel(), wire, nbytes, algo, tag, async_op)
+            send = input if wire == input.dtype else input.to(wire)
+            if wire == output.dtype:
+                recv = output
+            else:
+                recv = torch.empty(output.shape, dtype=wire, device=output.device)
+            fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            work = fn(recv.reshape(-1), send.reshape(-1), op=dist.ReduceOp.SUM, group=self.group,
+                      async_op=True)
+
+            def finish_native() -> None:
+                if recv is not output:
+                    output.copy_(recv)
+                if op == "avg":
+                    output.div_(n)
+
+            return self._finish_handle(CommHandle(rec, [work], t0, finish_native, output), async_op)
+        rec = self._record("reduce_scatter", input.numel(), wire, nbytes, "alltoall+sum", tag,
+                           async_op)
+        send = input.reshape(-1) if wire == input.dtype else input.reshape(-1).to(wire)
+        recv = torch.empty_like(send)
+        work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+        m = output.numel()
+
+        def finish_a2a() -> None:
+            parts = recv.view(n, m)
+            out = output.view(-1)
+            if output.dtype == acc_dtype:
+                out.copy_(parts[0])
+                acc = out
+            else:
+                acc = parts[0].to(acc_dtype)
+            for i in range(1, n):
+                acc.add_(parts[i])
+            if op == "avg":
+                acc.div_(n)
+            if acc is not out:
+                out.copy_(acc)
+
+        return self._finish_handle(CommHandle(rec, [work], t0, finish_a2a, output), async_op)
+
+    # ------------------------------------------------------------------------------- all_gather
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *,
+                   wire_dtype: torch.dtype | None = None, async_op: bool = False,
+                   tag: str = "") -> CommHandle:
+        """``output`` = concatenation of every rank's ``input`` in rank order (flat, contiguous)."""
+        n = self.size
+        if output.numel() != n * input.numel():
+            raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
+                             f"{n} x {input.numel()} (group size x input)")
+        if not output.is_contiguous():
+            raise ValueError("all_gather: output must be contiguous")
+        wire = wire_dtype or input.dtype
+        _check_float_wire(wire, input, "all_gather")
+        esize = torch.empty((), dtype=wire).element_size()
+        t0 = time.perf_counter()
+        if n == 1:
+            rec = self._record("all_gather", output.numel(), wire, 0, "local", tag, async_op)
+            src = input if wire == input.dtype else input.to(wire)
+            output.view(-1).copy_(src.reshape(-1))
+            return self._finish_handle(CommHandle(rec, [], t0, None, output), async_op)
+        nbytes = ring_wire_bytes("all_gather", n, output.numel() * esize)
+        algo = self._algo("all_gather", "native" if self._is_nccl(input) else "broadcast")
+        rec = self._record("all_gather", output.numel(), wire, nbytes, algo, tag, async_op)
+        flat_out = output.view(-1)
+        buf = flat_out if wire == output.dtype else torch.empty(flat_out.shape, dtype=wire,
+                                                                device=output.device)
+        m = input.numel()
+        mine = buf[self.rank * m:(self.rank + 1) * m]
+        src = input.reshape(-1)
+        if mine.data_ptr() != src.data_ptr() or wire != input.dtype:
+            mine.copy_(src)
+        if algo == "native":
+            fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            works = [fn(buf, mine, group=self.group, async_op=True)]
+        else:
+            works = [dist.broadcast(buf[r * m:(r + 1) * m], group=self.group, group_src=r,
+                                    async_op=True) for r in range(n)]
+        finish = None if buf is flat_out else (lambda: flat_out.copy_(buf))
+        return self._finish_handle(CommHandle(rec, works, t0, finish, output), async_op)
+
+    # ------------------------------------------------------------------------------- all_to_all
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
+                   output_split_sizes: Sequence[int] | None = None,
+                   input_split_sizes: Sequence[int] | None = None, *, async_op: bool = False,
+                   tag: str = "") -> CommHandle:
+        """``all_to_all_single`` along dim 0 with optional variable splits (rows per peer)."""
+        n = self.size
+        t0 = time.perf_counter()
+        esize = input.element_size()
+        rows = input.shape[0] if input.dim() > 0 else 0
+        row_elems = input.numel() // rows if rows else 0
+        if input_split_sizes is None:
+            if rows % n:
+                raise ValueError(f"all_to_all: {rows} input rows do not split evenly over {n} ranks; "
+                                 "pass input_split_sizes")
+            sent_rows = rows - rows // n
+        else:
+            if len(input_split_sizes) != n or sum(input_split_sizes) != rows:
+                raise ValueError(f"all_to_all: input_split_sizes {list(input_split_sizes)} must have "
+                                 f"{n} entries summing to {rows}")
+            sent_rows = rows - int(input_split_sizes[self.rank])
+        if output_split_sizes is not None and len(output_split_sizes) != n:
+            raise ValueError(f"all_to_all: output_split_sizes must have {n} entries")
+        nbytes = sent_rows * row_elems * esize if n > 1 else 0
+        rec = self._record("all_to_all", input.numel(), input.dtype, nbytes,
+                           "local" if n == 1 else "native", tag, async_op)
+        if n == 1:
+            output.copy_(input)
+            return self._finish_handle(CommHandle(rec, [], t0, None, output), async_op)
+        work = dist.all_to_all_single(
+            output, input,
+            output_split_sizes=list(output_split_sizes) if output_split_sizes is not None else None,
+            input_split_sizes=list(input_split_sizes) if input_split_sizes is not None else None,
+            group=self.group, async_op=True)
+        return self._finish_handle(CommHandle(rec, [work], t0, None, output), async_op)
+
+    # -------------------------------------------------------------------------------- broadcast
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False,
+                  tag: str = "") -> CommHandle:
+        """Copy ``tensor`` from group rank ``src`` to every rank, in place."""
+        n = self.size
+        t0 = time.perf_counter()
+        if not 0 <= src < n:
+            raise ValueError(f"broadcast: src {src} is not a rank of group {self.name!r} (size {n})")
+        nbytes = ring_wire_bytes("broadcast", n, tensor.numel() * tensor.element_size())
+        rec = self._record("broadcast", tensor.numel(), tensor.dtype, nbytes,
+                           "local" if n == 1 else "native", tag, async_op)
+        if n == 1:
+            return self._finish_handle(CommHandle(rec, [], t0, None, tensor), async_op)
+        work = dist.broadcast(tensor, group=self.group, group_src=src, async_op=True)
+        return self._finish_handle(CommHandle(rec, [work], t0, None, tensor), async_op)
+
+    # ---------------------------------------------------------------------------------- objects
+    def all_gather_object(self, obj: object, *, tag: str = "") -> list:
+        """Every rank's picklable ``obj``, in rank order (used for cross-rank validation)."""
+        t0 = time.perf_counter()
+        size = len(pickle.dumps(obj))
+        rec = self._record("all_gather_object", 1, torch.uint8,
+                           ring_wire_bytes("all_gather_object", self.size, size * self.size),
+                           "local" if self.size == 1 else "native", tag, False)
+        if self.size == 1:
+            out = [obj]
+        else:
+            out = [None] * self.size
+            dist.all_gather_object(out, obj, group=self.group)
+        rec.elapsed_s = time.perf_counter() - t0
+        return out
+
+    def barrier(self, *, tag: str = "") -> None:
+        """Block until every rank of the group arrives (recorded with zero bytes)."""
+        t0 = time.perf_counter()
+        rec = self._record("barrier", 0, torch.uint8, 0, "local" if self.size == 1 else "native",
+                           tag, False)
+        if self.size > 1:
+            dist.barrier(group=self.group)
+        rec.elapsed_s = time.perf_counter() - t0
+
+    def agree(self, value: object, what: str, *, tag: str = "validate") -> None:
+        """Raise ``ValueError`` on every rank alike if ``value`` differs between ranks."""
+        values = self.all_gather_object(value, tag=tag)
+        if any(v != values[0] for v in values):
+            diffs = ", ".join(f"rank {i}: {v!r}" for i, v in enumerate(values))
+            raise ValueError(f"{what} differs between ranks of group {self.name!r}: {diffs}")
+
+
+def new_group(ranks: Sequence[int], name: str, *, ledger: CommLedger | None = None,
+              timeout: timedelta | None = None, algorithms: Mapping[str, str] | None = None) -> Comm | None:
+    """Create a subgroup (every rank must call this with the same ``ranks`` in the same order).
+
+    Returns a :class:`Comm` on members and ``None`` on the others.
+    """
+    pg = dist.new_group(ranks=list(ranks), timeout=timeout)
+    if dist.get_rank() not in ranks:
+        return None
+    return Comm(pg, name=name, ledger=ledger, algorithms=algorithms)

@@ -1,0 +1,184 @@
+"""Run a function on N gloo ranks in spawned processes and collect results or tracebacks.
+
+``run_ranks(fn, world_size, *args)`` calls ``fn(*args)`` on every rank inside an initialized gloo
+process group (``torch.distributed`` default group, a fresh ``FileStore`` per call), returns the list
+of per-rank return values, and re-raises a failure as :class:`DistributedTestError` carrying the
+failing rank's traceback. ``fn`` must be importable (module level) because ranks are spawned.
+
+Spawning a process that imports torch costs seconds, so ranks live in a pool per world size that is
+reused across calls; each call gets its own process group, which is destroyed afterwards. Any
+failure or timeout tears the pool down so the next call starts clean. Set
+``LOWBAND_TEST_POOL=0`` to spawn fresh processes for every call.
+
+Per call, each rank starts with ``torch.manual_seed(0)``, the default dtype float32, one intra-op
+thread, and the process-wide comm ledger reset.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("LOWBAND_TEST_TIMEOUT", "120"))
+
+
+class DistributedTestError(AssertionError):
+    """A rank raised, or the ranks did not finish in time."""
+
+
+def _worker(rank: int, world_size: int, tasks: Any, results: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from lowband.comm import default_ledger
+
+    while True:
+        item = tasks.get()
+        if item is None:
+            return
+        call_id, fn, args, kwargs, store_path, pg_timeout_s = item
+        try:
+            torch.manual_seed(0)
+            torch.set_default_dtype(torch.float32)
+            torch.set_num_threads(1)
+            default_ledger().reset()
+            store = dist.FileStore(store_path, world_size)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=pg_timeout_s))
+            try:
+                value = fn(*args, **kwargs)
+            finally:
+                dist.destroy_process_group()
+            results.put((call_id, rank, True, value))
+        except BaseException:  # noqa: BLE001 - everything goes back to the parent
+            results.put((call_id, rank, False, traceback.format_exc()))
+
+
+class _Pool:
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, self.tasks[r], self.results),
+                                  daemon=True) for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+        self.calls = 0
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def close(self, kill: bool = False) -> None:
+        for p, q in zip(self.procs, self.tasks, strict=True):
+            if not kill and p.is_alive():
+                try:
+                    q.put(None)
+                except (OSError, ValueError):
+                    pass
+        deadline = time.monotonic() + (0 if kill else 5)
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+_POOLS: dict[int, _Pool] = {}
+
+
+def shutdown_pools() -> None:
+    """Stop every pooled rank process (called at interpreter exit by the pytest plugin)."""
+    for pool in list(_POOLS.values()):
+        pool.close()
+    _POOLS.clear()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
+              timeout: float | None = None, pg_timeout: float | None = None,
+              **kwargs: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return per-rank results.
+
+    Args:
+        fn: an importable, module-level callable.
+        world_size: number of ranks (1, 2, 4 ...).
+        timeout: seconds for the whole call (default ``LOWBAND_TEST_TIMEOUT`` or 120).
+        pg_timeout: process-group timeout in seconds (default: ``timeout``).
+
+    Raises:
+        DistributedTestError: with the first failing rank's traceback, or on timeout.
+    """
+    timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
+    pg_timeout = timeout if pg_timeout is None else pg_timeout
+    use_pool = os.environ.get("LOWBAND_TEST_POOL", "1") != "0"
+    pool = _POOLS.get(world_size) if use_pool else None
+    if pool is None or not pool.alive():
+        if pool is not None:
+            pool.close(kill=True)
+        pool = _Pool(world_size)
+        if use_pool:
+            _POOLS[world_size] = pool
+    pool.calls += 1
+    call_id = pool.calls
+    fd, store_path = tempfile.mkstemp(prefix="lowband_store_")
+    os.close(fd)
+    os.unlink(store_path)
+    for q in pool.tasks:
+        q.put((call_id, fn, args, kwargs, store_path, pg_timeout))
+    results: dict[int, Any] = {}
+    failure: tuple[int, str] | None = None
+    deadline = time.monotonic() + timeout
+    healthy = True
+    try:
+        while len(results) < world_size:
+            remaining = deadline - time.monotonic()
+            if failure is not None:
+                # Give the other ranks a moment to fail on their own, then stop waiting.
+                remaining = min(remaining, 3.0)
+            if remaining <= 0:
+                break
+            try:
+                cid, rank, ok, value = pool.results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                if not pool.alive():
+                    dead = [r for r, p in enumerate(pool.procs) if not p.is_alive()]
+                    failure = failure or (dead[0], f"rank process {dead} died (exit codes "
+                                          f"{[pool.procs[r].exitcode for r in dead]})")
+                    break
+                continue
+            if cid != call_id:
+                continue
+            if ok:
+                results[rank] = value
+            else:
+                results[rank] = None
+                if failure is None:
+                    failure = (rank, value)
+        if failure is not None:
+            healthy = False
+            raise DistributedTestError(f"{fn.__module__}.{fn.__qualname__} failed on rank "
+                                       f"{failure[0]} of {world_size}:\n{failure[1]}")
+        if len(results) < world_size:
+            healthy = False
+            missing = sorted(set(range(world_size)) - set(results))
+            raise DistributedTestError(f"{fn.__module__}.{fn.__qualname__} timed out after "
+                                       f"{timeout:.0f}s on {world_size} ranks; ranks {missing} did "
+                                       "not finish")
+        return [results[r] for r in range(world_size)]
+    finally:
+        if os.path.exists(store_path):
+            try:
+                os.unlink(store_path)
+            except OSError:
+                pass
+        if not healthy or not use_pool:
+            pool.close(kill=not healthy)
+            _POOLS.pop(world_size, None)

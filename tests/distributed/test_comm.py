@@ -1,0 +1,201 @@
+"""Each collective through `Comm` on 1, 2 and 4 gloo ranks against torch's own result and the
+ring-model byte count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lowband.comm import Comm, CommLedger, ring_wire_bytes
+from lowband.testing import DistributedTestError, run_ranks
+
+
+def _data(rank: int, numel: int, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + rank)
+    return torch.randn(numel, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _collectives_match_torch(dtype_name: str) -> None:
+    dtype = getattr(torch, dtype_name)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    ledger = CommLedger()
+    comm = Comm(name="world", ledger=ledger)
+    m = 37  # chunk elements, odd on purpose
+    x = _data(rank, n * m, dtype)
+    esize = x.element_size()
+
+    # reduce-scatter (sum and avg) vs torch all_reduce + chunk
+    ref = x.clone()
+    dist.all_reduce(ref)
+    out = torch.empty(m, dtype=dtype)
+    comm.reduce_scatter(out, x)
+    # rank-order sum: reproduce exactly
+    allx = [_data(r, n * m, dtype) for r in range(n)]
+    exact = allx[0][rank * m:(rank + 1) * m].clone()
+    for r in range(1, n):
+        exact += allx[r][rank * m:(rank + 1) * m]
+    assert torch.equal(out, exact)
+    torch.testing.assert_close(out, ref[rank * m:(rank + 1) * m], rtol=1e-12 if dtype == torch.float64
+                               else 1e-6, atol=1e-12 if dtype == torch.float64 else 1e-6)
+    h = comm.reduce_scatter(out, x, op="avg", async_op=True)
+    assert h.wait() is out
+    assert torch.equal(out, exact / n)
+
+    # all-gather vs torch all_gather
+    mine = _data(rank, m, dtype)
+    full = torch.empty(n * m, dtype=dtype)
+    comm.all_gather(full, mine)
+    ref_list = [torch.empty(m, dtype=dtype) for _ in range(n)]
+    dist.all_gather(ref_list, mine)
+    assert torch.equal(full, torch.cat(ref_list))
+
+    # all-reduce sum / avg / max
+    y = x.clone()
+    comm.all_reduce(y)
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    y = x.clone()
+    comm.all_reduce(y, "avg", async_op=True).wait()
+    torch.testing.assert_close(y, ref / n, rtol=0, atol=0)
+    y = x.clone()
+    comm.all_reduce(y, "max")
+    assert torch.equal(y, torch.stack(allx).max(0).values)
+
+    # all-to-all, even and variable splits
+    a2a_out = torch.empty_like(x)
+    comm.all_to_all(a2a_out, x)
+    expect = torch.cat([allx[r][rank * m:(rank + 1) * m] for r in range(n)])
+    assert torch.equal(a2a_out, expect)
+    # rank r sends (j + r + 1) rows of width 3 to rank j
+    send_splits = [j + rank + 1 for j in range(n)]
+    recv_splits = [rank + r + 1 for r in range(n)]
+    rows = torch.arange(sum(send_splits) * 3, dtype=dtype).view(-1, 3) + 1000 * rank
+    recv = torch.empty(sum(recv_splits), 3, dtype=dtype)
+    comm.all_to_all(recv, rows, recv_splits, send_splits, tag="var")
+    off = 0
+    for r in range(n):
+        their_splits = [j + r + 1 for j in range(n)]
+        start = sum(their_splits[:rank])
+        theirs = torch.arange(sum(their_splits) * 3, dtype=dtype).view(-1, 3) + 1000 * r
+        assert torch.equal(recv[off:off + recv_splits[r]], theirs[start:start + their_splits[rank]])
+        off += recv_splits[r]
+
+    # broadcast from the last rank
+    b = _data(rank, 11, dtype)
+    comm.broadcast(b, src=n - 1)
+    assert torch.equal(b, _data(n - 1, 11, dtype))
+
+    # ledger: exact counts and ring bytes
+    assert ledger.count("reduce_scatter") == 2
+    assert ledger.wire_bytes("reduce_scatter") == 2 * ring_wire_bytes("reduce_scatter", n, n * m * esize)
+    assert ledger.wire_bytes("reduce_scatter") == 2 * ((n - 1) * m * esize)
+    assert ledger.count("all_gather") == 1
+    assert ledger.wire_bytes("all_gather") == (n - 1) * m * esize
+    assert ledger.count("all_reduce") == 3
+    assert ledger.wire_bytes("all_reduce") == 3 * (2 * (n - 1) * n * m * esize // n)
+    assert ledger.count("all_to_all") == 2
+    var_sent = (sum(send_splits) - send_splits[rank]) * 3 * esize
+    assert ledger.wire_bytes("all_to_all", tag="var") == var_sent
+    assert ledger.wire_bytes("all_to_all") == (n - 1) * m * esize + var_sent
+    assert ledger.count("broadcast") == 1
+    assert ledger.wire_bytes("broadcast") == (n - 1) * 11 * esize // n
+    for r in ledger.records:
+        assert r.group == "world" and r.group_size == n and r.elapsed_s is not None
+    totals = ledger.mark_step()
+    assert totals.count == 9 and totals.wire_bytes == sum(r.wire_bytes for r in ledger.records)
+    assert ledger.mark_step().count == 0
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("dtype_name", ["float32", "float64"])
+def test_collectives_match_torch(world: int, dtype_name: str) -> None:
+    run_ranks(_collectives_match_torch, world, dtype_name)
+
+
+def _bf16_wire() -> None:
+    rank, n = dist.get_rank(), dist.get_world_size()
+    ledger = CommLedger()
+    comm = Comm(ledger=ledger)
+    m = 64
+    allx = [_data(r, n * m) for r in range(n)]
+    x = allx[rank]
+    out = torch.empty(m)
+    comm.reduce_scatter(out, x, op="avg", wire_dtype=torch.bfloat16)
+    # reference: each contribution rounded to bf16, summed in fp32 in rank order
+    exact = allx[0][rank * m:(rank + 1) * m].bfloat16().float()
+    for r in range(1, n):
+        exact += allx[r][rank * m:(rank + 1) * m].bfloat16().float()
+    assert torch.equal(out, exact / n)
+    assert ledger.wire_bytes("reduce_scatter") == (n - 1) * m * 2
+    assert ledger.records[-1].wire_dtype == "bfloat16"
+
+    full = torch.empty(n * m)
+    comm.all_gather(full, x[:m], wire_dtype=torch.bfloat16)
+    assert torch.equal(full, torch.cat([a[:m].bfloat16().float() for a in allx]))
+    assert ledger.wire_bytes("all_gather") == (n - 1) * m * 2
+
+    y = x.clone()
+    comm.all_reduce(y, "sum", wire_dtype=torch.bfloat16)
+    ref = torch.stack([a.bfloat16().float() for a in allx]).sum(0)
+    torch.testing.assert_close(y, ref.bfloat16().float(), rtol=0, atol=0)
+    gathered = [torch.empty_like(y) for _ in range(n)]
+    dist.all_gather(gathered, y)
+    assert all(torch.equal(g, y) for g in gathered)  # identical on every rank
+    assert ledger.wire_bytes("all_reduce") == 2 * (n - 1) * n * m * 2 // n
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_bf16_wire_accumulates_in_fp32(world: int) -> None:
+    run_ranks(_bf16_wire, world)
+
+
+def _native_override_matches() -> None:
+    rank, n = dist.get_rank(), dist.get_world_size()
+    comm = Comm(algorithms={"reduce_scatter": "native", "all_gather": "native"}, ledger=CommLedger())
+    m = 16
+    x = _data(rank, n * m, torch.float64)
+    out = torch.empty(m, dtype=torch.float64)
+    comm.reduce_scatter(out, x)
+    ref = x.clone()
+    dist.all_reduce(ref)
+    torch.testing.assert_close(out, ref[rank * m:(rank + 1) * m], rtol=1e-14, atol=1e-14)
+    full = torch.empty(n * m, dtype=torch.float64)
+    comm.all_gather(full, out)
+    torch.testing.assert_close(full, ref, rtol=1e-14, atol=1e-14)
+    assert [r.algorithm for r in comm.ledger.records] == ["native", "native"]
+
+
+def test_native_override() -> None:
+    run_ranks(_native_override_matches, 2)
+
+
+def test_bad_arguments_single_process() -> None:
+    comm = Comm(ledger=CommLedger())
+    with pytest.raises(ValueError, match="algorithms"):
+        Comm(algorithms={"reduce_scatter": "magic"})
+    with pytest.raises(ValueError, match="op"):
+        comm.all_reduce(torch.zeros(2), "prod")
+    with pytest.raises(ValueError, match="wire_dtype"):
+        comm.all_reduce(torch.zeros(2, dtype=torch.int64), wire_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="expected"):
+        comm.reduce_scatter(torch.zeros(3), torch.zeros(4))
+
+
+def _raises_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        raise RuntimeError("boom on purpose")
+
+
+def test_harness_reports_failing_rank() -> None:
+    with pytest.raises(DistributedTestError, match=r"rank 1 of 2[\s\S]*boom on purpose"):
+        run_ranks(_raises_on_rank_one, 2)
+
+
+def _sleep_forever() -> None:
+    import time
+    time.sleep(60)
+
+
+def test_harness_times_out() -> None:
+    with pytest.raises(DistributedTestError, match="timed out"):
+        run_ranks(_sleep_forever, 2, timeout=3)
