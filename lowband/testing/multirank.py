@@ -58,7 +58,7 @@ def _worker(rank: int, world_size: int, tasks: Any, results: Any) -> None:
             finally:
                 dist.destroy_process_group()
             results.put((call_id, rank, True, value))
-        except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        except BaseException:
             results.put((call_id, rank, False, traceback.format_exc()))
 
 
