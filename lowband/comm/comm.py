@@ -29,6 +29,7 @@ Every op returns a :class:`CommHandle`; with ``async_op=False`` it is already co
 from __future__ import annotations
 
 import pickle
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
@@ -63,25 +64,40 @@ class CommHandle:
         self._finish = finish
         self._result = result
         self._done = False
+        self._lock = threading.Lock()
 
     def wait(self) -> torch.Tensor | None:
         if not self._done:
             for w in self._works:
                 w.wait()
+            self._complete()
+        return self._result
+
+    def _complete(self) -> None:
+        with self._lock:
+            if self._done:
+                return
             if self._finish is not None:
                 self._finish()
             self._done = True
             self.record.elapsed_s = time.perf_counter() - self._t0
             self._works = []
-        return self._result
 
     def is_completed(self) -> bool:
         return self._done or all(w.is_completed() for w in self._works)
 
     def future(self) -> torch.futures.Future:
-        """A ``torch.futures.Future`` resolving to the result (for DDP communication hooks)."""
+        """A ``torch.futures.Future`` resolving to the result (for DDP communication hooks).
+
+        The post-processing runs in the future's callback (on the backend's thread), never
+        ``Work.wait()`` there: waiting on a work from its own completion callback deadlocks.
+        """
         if not self._done and len(self._works) == 1:
-            return self._works[0].get_future().then(lambda _fut: self.wait())
+            def on_done(_fut: torch.futures.Future) -> torch.Tensor | None:
+                self._complete()
+                return self._result
+
+            return self._works[0].get_future().then(on_done)
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(self.wait())
         return fut
@@ -99,6 +115,35 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     if dtype.is_floating_point:
         return torch.float32
     return dtype
+
+
+class _Workspace:
+    """Free lists of scratch buffers keyed by (numel, dtype, device).
+
+    Receive buffers of the all-to-all reduce-scatter are reused instead of freshly allocated: on CPU
+    a fresh large allocation is an mmap whose first touch page-faults, which costs as much as the
+    transfer. A buffer is checked out until the handle's ``wait()`` finishes with it.
+    """
+
+    def __init__(self, max_cached_bytes: int = 1 << 30) -> None:
+        self._free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+        self._cached_bytes = 0
+        self.max_cached_bytes = max_cached_bytes
+
+    def acquire(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        free = self._free.get((numel, dtype, device))
+        if free:
+            t = free.pop()
+            self._cached_bytes -= t.numel() * t.element_size()
+            return t
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def release(self, t: torch.Tensor) -> None:
+        nbytes = t.numel() * t.element_size()
+        if self._cached_bytes + nbytes > self.max_cached_bytes:
+            return
+        self._free.setdefault((t.numel(), t.dtype, t.device), []).append(t)
+        self._cached_bytes += nbytes
 
 
 class Comm:
@@ -120,6 +165,7 @@ class Comm:
         self.name = name
         self.ledger = ledger if ledger is not None else default_ledger()
         self.algorithms = dict(algorithms or {})
+        self.workspace = _Workspace()
         for op, algo in self.algorithms.items():
             if op not in ALGORITHMS or algo not in ALGORITHMS[op]:
                 allowed = {k: list(v) for k, v in ALGORITHMS.items()}
@@ -284,7 +330,7 @@ class Comm:
         rec = self._record("reduce_scatter", input.numel(), wire, nbytes, "alltoall+sum", tag,
                            async_op)
         send = input.reshape(-1) if wire == input.dtype else input.reshape(-1).to(wire)
-        recv = torch.empty_like(send)
+        recv = self.workspace.acquire(send.numel(), wire, send.device)
         work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
         m = output.numel()
 
@@ -302,6 +348,7 @@ class Comm:
                 acc.div_(n)
             if acc is not out:
                 out.copy_(acc)
+            self.workspace.release(recv)
 
         return self._finish_handle(CommHandle(rec, [work], t0, finish_a2a, output), async_op)
 

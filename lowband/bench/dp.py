@@ -1,0 +1,183 @@
+"""``dp`` suite: data-parallel training step, contender against contender, on the reference GPT.
+
+Every contender trains its own copy of the same model (same seed) on the same synthetic token
+batches (each rank its slice of the global batch); steps alternate between contenders. Reported per
+contender: median step time (slowest rank), wire bytes per step per rank (from the lowband ledger,
+or the contender's own count for torch-internal collectives), optimizer-state bytes per rank, peak
+memory (CUDA: max allocated during its steps; CPU: resident tensor bytes = params + grads + optimizer
+state + persistent comm buffers, since the process RSS cannot be split between contenders), and the
+final loss.
+
+Contenders register in ``CONTENDERS`` (name -> factory); any trainer strategy is a contender through
+:class:`StrategyContender`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lowband.bench.harness import add_ratios, result_row, timed_alternating
+from lowband.train.config import Config
+from lowband.train.env import DistEnv
+from lowband.train.trainer import build_model
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--contenders", default="ddp", help="comma-separated; see lowband.bench.dp.CONTENDERS")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=256)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--vocab-size", type=int, default=320)
+    p.add_argument("--bigram-rows", type=int, default=0)
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--baseline", default="ddp", help="contender(s) the ratios are computed against")
+
+
+def bench_config(opts: dict[str, Any], world: int) -> Config:
+    cfg = Config()
+    cfg.run.world_size = world
+    cfg.run.steps = 10**6
+    cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head = opts["n_layer"], opts["n_embd"], opts["n_head"]
+    cfg.model.seq_len, cfg.model.vocab_size = opts["seq_len"], opts["vocab_size"]
+    cfg.model.bigram_rows = opts["bigram_rows"]
+    cfg.data.batch_size = opts["batch_size"]
+    cfg.strategy.bucket_mb = opts["bucket_mb"]
+    cfg.optim.lr = opts["lr"]
+    cfg.optim.warmup_steps = 0
+    cfg.optim.grad_clip = 1.0
+    return cfg
+
+
+class Batches:
+    """Deterministic synthetic token batches; rank r gets rows [r*B, (r+1)*B) of global batch ``step``."""
+
+    def __init__(self, cfg: Config, env: DistEnv) -> None:
+        self.cfg, self.env = cfg, env
+
+    def get(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        b, t, n = self.cfg.data.batch_size, self.cfg.model.seq_len, self.env.world_size
+        g = torch.Generator().manual_seed(10_000 + step)
+        tokens = torch.randint(0, 256, (b * n, t + 1), generator=g)
+        mine = tokens[self.env.rank * b:(self.env.rank + 1) * b]
+        return mine[:, :-1].to(self.env.device), mine[:, 1:].to(self.env.device)
+
+
+@dataclasses.dataclass
+class Contender:
+    """One competitor: ``step(i)`` runs training step i and returns the local loss."""
+
+    name: str
+    step: Callable[[int], float]
+    optimizer_state_bytes: Callable[[], int]
+    resident_bytes: Callable[[], int]
+    wire_bytes_per_step: Callable[[], int] | None = None
+    """For contenders whose collectives bypass lowband.comm: bytes per step per rank (ring model)."""
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+class StrategyContender:
+    """Wrap a trainer strategy (``lowband.train.strategies``) as a contender."""
+
+    def __init__(self, strategy_name: str, label: str | None = None,
+                 overrides: dict[str, dict[str, Any]] | None = None) -> None:
+        self.strategy_name = strategy_name
+        self.label = label or strategy_name
+        self.overrides = overrides or {}
+
+    def __call__(self, cfg: Config, env: DistEnv, batches: Batches) -> Contender:
+        from lowband.train.strategies import get_strategy_class
+
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run), model=dataclasses.replace(cfg.model),
+                                  data=dataclasses.replace(cfg.data), optim=dataclasses.replace(cfg.optim),
+                                  strategy=dataclasses.replace(cfg.strategy, name=self.strategy_name))
+        for section, values in self.overrides.items():
+            for k, v in values.items():
+                setattr(getattr(cfg, section), k, v)
+        strategy = get_strategy_class(self.strategy_name)(cfg, env)
+        strategy.setup(build_model(cfg, env.device))
+
+        def step(i: int) -> float:
+            x, y = batches.get(i)
+            with strategy.microbatch(last=True):
+                loss = strategy.model(x, y)
+                loss.backward()
+            strategy.clip_grad_norm(cfg.optim.grad_clip)
+            strategy.optimizer_step()
+            return float(loss)
+
+        def resident() -> int:
+            params = list(strategy.unwrapped().parameters())
+            extra = getattr(strategy, "persistent_buffer_bytes", lambda: 0)()
+            return (tensor_bytes(params) + tensor_bytes(p.grad for p in params)
+                    + strategy.optimizer_state_bytes() + extra)
+
+        wire = getattr(strategy, "wire_bytes_per_step", None)
+        return Contender(self.label, step, strategy.optimizer_state_bytes, resident, wire)
+
+
+CONTENDERS: dict[str, Callable[[Config, DistEnv, Batches], Contender]] = {
+    "ddp": StrategyContender("ddp"),
+}
+
+
+def run(env: DistEnv, opts: dict[str, Any]) -> dict[str, Any]:
+    names = [c for c in str(opts["contenders"]).split(",") if c]
+    unknown = [c for c in names if c not in CONTENDERS]
+    if unknown:
+        raise ValueError(f"dp suite: unknown contenders {unknown}; allowed: {', '.join(CONTENDERS)}")
+    cfg = bench_config(opts, env.world_size)
+    batches = Batches(cfg, env)
+    contenders = {n: CONTENDERS[n](cfg, env, batches) for n in names}
+    ledger = env.ledger
+    counters = {n: 0 for n in names}
+    wire: dict[str, list[int]] = {n: [] for n in names}
+    losses: dict[str, float] = {}
+    peak: dict[str, int] = {n: 0 for n in names}
+
+    def make(n: str) -> Callable[[], None]:
+        c = contenders[n]
+
+        def fn() -> None:
+            ledger.mark_step()
+            if env.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(env.device)
+            losses[n] = c.step(counters[n])
+            counters[n] += 1
+            wire[n].append(ledger.mark_step().wire_bytes)
+            if env.device.type == "cuda":
+                torch.cuda.synchronize(env.device)
+                peak[n] = max(peak[n], int(torch.cuda.max_memory_allocated(env.device)))
+        return fn
+
+    sync = (lambda: torch.cuda.synchronize(env.device)) if env.device.type == "cuda" else None
+    times = timed_alternating({n: make(n) for n in names}, opts["repeats"], opts["warmup"], env.metrics_comm,
+                              sync)
+    results = []
+    for n in names:
+        c = contenders[n]
+        wb = c.wire_bytes_per_step() if c.wire_bytes_per_step is not None else max(wire[n][-3:], default=0)
+        loss_t = torch.tensor(losses.get(n, float("nan")), dtype=torch.float64)
+        env.metrics_comm.all_reduce(loss_t, "avg")
+        results.append(result_row(n, times[n], wire_bytes=wb, optimizer_state_bytes=c.optimizer_state_bytes(),
+                                  peak_memory_bytes=peak[n] if env.device.type == "cuda" else c.resident_bytes(),
+                                  final_loss=float(loss_t), steps=counters[n]))
+    bases = [b for b in str(opts["baseline"]).split(",") if b]
+    add_ratios(results, {n: [b for b in bases if b != n] for n in names})
+    nparams = sum(p.numel() for p in build_model(cfg, torch.device("cpu")).parameters())
+    return {"config": {"model": dataclasses.asdict(cfg.model), "batch_size_per_rank": cfg.data.batch_size,
+                       "params": nparams, "contenders": names, "repeats": opts["repeats"],
+                       "warmup": opts["warmup"], "threads_per_rank": opts.get("threads"),
+                       "memory_method": "cuda max_memory_allocated" if env.device.type == "cuda"
+                       else "resident tensor bytes: params + grads + optimizer state + persistent comm buffers"},
+            "results": results}

@@ -1,0 +1,350 @@
+"""Trainer configuration: dataclass sections, a TOML file, and ``--section.key=value`` overrides.
+
+Each section is a dataclass whose attribute docstrings are the schema. ``load_config(path, overrides)``
+reads the TOML file (``tomllib``), applies the overrides, type-checks every value against the field's
+type and validates ranges, raising :class:`ConfigError` with one line naming the field and what was
+expected. The CLI turns that into exit code 2 before any process group exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message names the field and the allowed values."""
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    name: str = "run"
+    """Run name; the run directory is ``<out_dir>/<name>``."""
+    out_dir: str = "runs"
+    """Where run directories go."""
+    seed: int = 0
+    """Seed for model init and data order."""
+    steps: int = 100
+    """Optimizer steps to train."""
+    log_every: int = 10
+    """Rank 0 logs one line every this many steps."""
+    val_every: int = 50
+    """Validation loss every this many steps (and at the end); 0 = only at the end."""
+    val_batches: int = 4
+    """Batches (per rank) averaged for one validation loss."""
+    world_size: int = 1
+    """Ranks to launch when started without torchrun (CPU, gloo). Under torchrun, WORLD_SIZE wins."""
+    device: str = "cpu"
+    """cpu | cuda | auto."""
+    dtype: str = "float32"
+    """Parameter dtype: float32 | float64 | bfloat16."""
+    threads: int = 0
+    """torch intra-op threads per rank; 0 = cores / local ranks (at least 1)."""
+    timeout_s: float = 300.0
+    """Process-group timeout: a dead peer ends the others with an error after this long."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    vocab_size: int = 320
+    """Embedding rows (the byte tokenizer needs 258; 320 is padded to a multiple of 64)."""
+    seq_len: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    mlp_ratio: int = 4
+    bigram_rows: int = 0
+    """Rows of the hashed bigram table; 0 = no table."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    source: str = "builtin"
+    """builtin (Python's own docs, built at run time) | bin (speedrun .bin shards)."""
+    train_bin: str = ""
+    """Glob of training .bin shards (source = bin)."""
+    val_bin: str = ""
+    """Glob of validation .bin shards (source = bin)."""
+    batch_size: int = 8
+    """Sequences per rank per optimizer step (split over grad_accum microbatches)."""
+    grad_accum: int = 1
+    """Microbatches per step; batch_size must divide by it."""
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    lr: float = 3e-3
+    """Peak learning rate of AdamW (and of the AdamW part of combined optimizers)."""
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 10
+    schedule: str = "cosine"
+    """cosine | linear | constant (after linear warmup)."""
+    min_lr_ratio: float = 0.1
+    """Final lr as a fraction of the peak (cosine and linear)."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip; 0 = off."""
+    muon_lr: float = 0.02
+    """Peak lr of Muon (hidden matrices) for strategies that use it."""
+    muon_momentum: float = 0.95
+
+
+@dataclass(kw_only=True)
+class StrategyConfig:
+    name: str = "ddp"
+    """How the model is distributed; see ``lowband.train.strategies.available()``."""
+    bucket_mb: float = 25.0
+    """Gradient bucket size in MB (DDP and the sharded optimizers)."""
+    grad_wire_dtype: str = "float32"
+    """Gradients travel as float32 | bfloat16 (the reduction accumulates in fp32)."""
+    gtp_size: int = 0
+    """strategy gtp: GTP group size (0 = the whole world); must divide run.world_size (rest is DP)."""
+    gtp_gather: str = "native"
+    """strategy gtp: weight all-gather format native | bf16 | fp8 (e4m3, per-block fp32 scales)."""
+    gtp_fp8_block: int = 32
+    """strategy gtp: fp8 scaling block edge (block = gtp_fp8_block x gtp_fp8_block weight elements)."""
+    gtp_finalize_depth: int = 2
+    """strategy gtp: reduce-scatters left in flight before the oldest is finalized."""
+
+
+@dataclass(kw_only=True)
+class DilocoConfig:
+    """Streaming DiLoCo (``strategy.name = "diloco"``); see docs/diloco.md."""
+
+    num_replicas: int = 0
+    """Replica groups; 0 = one per rank. world_size / num_replicas ranks per replica run DDP inside."""
+    sync_every: int = 32
+    """H: inner steps between two syncs of the same fragment."""
+    fragments: int = 2
+    """n: fragments (consecutive blocks); one syncs every sync_every / fragments inner steps."""
+    delay: int = 1
+    """tau: inner steps a fragment's all-reduce overlaps, in [0, sync_every / fragments)."""
+    alpha: float = 0.0
+    """Merge weight of the local weights after a sync, in [0, 1] (0 = take the new global weights)."""
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_nesterov: bool = True
+    wire: str = "fp32"
+    """Pseudo-gradient wire format: fp32 | bf16 | fp8 | int8 (fp8/int8 with per-block fp32 scales)."""
+    block_size: int = 256
+    """Elements per scale for fp8 / int8."""
+    bucket_mb: float = 0.0
+    """Bucket cap of a fragment's outer all-reduce in MB; 0 = one bucket per fragment."""
+
+
+@dataclass(kw_only=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    diloco: DilocoConfig = field(default_factory=DilocoConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "run.device": ("cpu", "cuda", "auto"),
+    "run.dtype": ("float32", "float64", "bfloat16"),
+    "data.source": ("builtin", "bin"),
+    "optim.schedule": ("cosine", "linear", "constant"),
+    "strategy.grad_wire_dtype": ("float32", "bfloat16"),
+    "strategy.gtp_gather": ("native", "bf16", "fp8"),
+}
+POSITIVE: tuple[str, ...] = (
+    "run.steps", "run.log_every", "run.val_batches", "run.world_size", "run.timeout_s",
+    "model.vocab_size", "model.seq_len", "model.n_layer", "model.n_head", "model.n_embd", "model.mlp_ratio",
+    "data.batch_size", "data.grad_accum", "optim.lr", "strategy.bucket_mb",
+)
+NON_NEGATIVE: tuple[str, ...] = (
+    "run.val_every", "run.threads", "model.bigram_rows", "optim.weight_decay", "optim.warmup_steps",
+    "optim.min_lr_ratio", "optim.grad_clip", "optim.eps", "optim.muon_lr", "optim.muon_momentum",
+)
+
+
+def _sections() -> dict[str, type]:
+    return {f.name: f.type if isinstance(f.type, type) else typing.get_type_hints(Config)[f.name]
+            for f in dataclasses.fields(Config)}
+
+
+def _field_types(section_cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(section_cls)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
+    """Check ``value`` against ``tp`` (parsing strings from the CLI); raise ConfigError."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        errs = []
+        for arm in typing.get_args(tp):
+            if arm is type(None):
+                if value is None or (from_cli and str(value).lower() in ("none", "null")):
+                    return None
+                continue
+            try:
+                return _coerce(key, arm, value, from_cli)
+            except ConfigError as e:
+                errs.append(str(e))
+        raise ConfigError(f"{key}: expected {tp}, got {value!r}")
+    if origin in (list, tuple):
+        (arm, *_rest) = typing.get_args(tp) or (str,)
+        if from_cli and isinstance(value, str):
+            value = [v for v in value.split(",") if v != ""]
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(key, arm, v, from_cli) for v in value]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if from_cli and isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if isinstance(value, int | float):
+            return float(value)
+        if from_cli and isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    raise ConfigError(f"{key}: unsupported field type {_type_name(tp)}")
+
+
+def _apply(cfg: Config, section: str, key: str, value: Any, from_cli: bool) -> None:
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    if section not in sections:
+        raise ConfigError(f"unknown config section {section!r}; allowed: {', '.join(sections)}")
+    obj = getattr(cfg, section)
+    types_ = _field_types(type(obj))
+    if key not in types_:
+        raise ConfigError(f"unknown config key '{section}.{key}'; allowed in [{section}]: "
+                          f"{', '.join(types_)}")
+    setattr(obj, key, _coerce(f"{section}.{key}", types_[key], value, from_cli))
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
+    """``["--model.n_layer=4", ...]`` -> ``[("model", "n_layer", "4"), ...]``."""
+    out = []
+    for a in args:
+        if not a.startswith("--") or "=" not in a or "." not in a.split("=", 1)[0]:
+            raise ConfigError(f"bad override {a!r}; expected --section.key=value")
+        k, v = a[2:].split("=", 1)
+        section, key = k.split(".", 1)
+        out.append((section, key, v))
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Build a :class:`Config` from defaults, a TOML file and CLI overrides, then validate it."""
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} not found")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from e
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"config file {str(p)!r}: top-level key {section!r} must be a [section]")
+            for key, value in values.items():
+                _apply(cfg, section, key, value, from_cli=False)
+    for section, key, value in parse_overrides(overrides or []):
+        _apply(cfg, section, key, value, from_cli=True)
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(data: dict[str, dict[str, Any]]) -> Config:
+    """A validated :class:`Config` from a nested dict (as ``Config.to_dict`` returns)."""
+    cfg = Config()
+    for section, values in data.items():
+        for key, value in values.items():
+            _apply(cfg, section, key, value, from_cli=False)
+    validate(cfg)
+    return cfg
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    section, key = dotted.split(".", 1)
+    return getattr(getattr(cfg, section), key)
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Range and cross-field checks; ``world_size`` (when known) is checked against the strategy."""
+    for k in POSITIVE:
+        v = _get(cfg, k)
+        if not v > 0:
+            raise ConfigError(f"{k} must be positive, got {v!r}")
+    for k in NON_NEGATIVE:
+        v = _get(cfg, k)
+        if v < 0:
+            raise ConfigError(f"{k} must be >= 0, got {v!r}")
+    for k, allowed in CHOICES.items():
+        v = _get(cfg, k)
+        if v not in allowed:
+            raise ConfigError(f"{k} must be one of {', '.join(allowed)}; got {v!r}")
+    m = cfg.model
+    if m.n_embd % m.n_head:
+        raise ConfigError(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
+    if (m.n_embd // m.n_head) % 2:
+        raise ConfigError(f"model.n_embd / model.n_head = {m.n_embd // m.n_head} must be even (rotary)")
+    if m.bigram_rows == 1:
+        raise ConfigError("model.bigram_rows must be 0 (off) or >= 2, got 1")
+    if cfg.data.batch_size % cfg.data.grad_accum:
+        raise ConfigError(f"data.batch_size ({cfg.data.batch_size}) must be divisible by data.grad_accum "
+                          f"({cfg.data.grad_accum})")
+    if cfg.data.source == "bin" and not cfg.data.train_bin:
+        raise ConfigError("data.train_bin must name .bin shards (a glob) when data.source = bin")
+    if not 0 <= cfg.optim.beta1 < 1 or not 0 <= cfg.optim.beta2 < 1:
+        raise ConfigError(f"optim.beta1/beta2 must be in [0, 1), got {cfg.optim.beta1}, {cfg.optim.beta2}")
+    if cfg.optim.min_lr_ratio > 1:
+        raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {cfg.optim.min_lr_ratio}")
+    from lowband.train.strategies import get_strategy_class
+
+    strategy_cls = get_strategy_class(cfg.strategy.name)
+    strategy_cls.validate_config(cfg, cfg.run.world_size if world_size is None else world_size)
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML text (round-trips through :func:`load_config`)."""
+    lines = []
+    for section, values in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        for k, v in values.items():
+            lines.append(f"{k} = {json.dumps(v)}")
+        lines.append("")
+    return "\n".join(lines)

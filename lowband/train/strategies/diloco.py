@@ -1,0 +1,106 @@
+"""``diloco``: Streaming DiLoCo across replica groups, DDP inside each replica.
+
+The world is split replica-major into ``diloco.num_replicas`` replica groups of ``world / replicas``
+ranks (:func:`lowband.diloco.replica_mesh`). Inside a replica: torch DDP over the ``dp`` group with
+its gradient all-reduce routed through a ``dp`` :class:`~lowband.comm.Comm` (tag ``grad``), and AdamW
+as the inner optimizer. Across replicas: :class:`lowband.diloco.StreamingDiLoCo` on the ``replica``
+group (same dp rank in every replica), driven by AdamW's step post-hook: one fragment every
+``sync_every / fragments`` steps, its averaged pseudo-gradient on the ``diloco.wire`` format (tags
+``diloco:frag<i>``), outer Nesterov SGD on CPU global copies.
+
+State per rank: the model, AdamW moments (replicated within a replica), plus on CPU one global copy
+of every parameter and the outer momentum (counted in ``optimizer_state_bytes``).
+"""
+
+# No `from __future__ import annotations`: DDP inspects the comm hook's annotations at run time.
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lowband.comm.codecs import CODECS
+from lowband.diloco import ScheduleConfig, StreamingDiLoCo, replica_mesh
+from lowband.train.optimizers import adamw_param_groups
+from lowband.train.strategies import register_strategy
+from lowband.train.strategies.base import Strategy
+from lowband.train.strategies.ddp import _WIRE, ledger_allreduce_hook
+
+WIRES = tuple(c for c in CODECS if c != "fp64")
+
+
+@register_strategy("diloco")
+class DilocoStrategy(Strategy):
+    @classmethod
+    def validate_config(cls, cfg, world_size: int) -> None:
+        from lowband.train.config import ConfigError
+
+        super().validate_config(cfg, world_size)
+        d = cfg.diloco
+        replicas = d.num_replicas or world_size
+        if d.num_replicas < 0 or world_size % replicas:
+            raise ConfigError(f"diloco.num_replicas must be 0 (one per rank) or a divisor of run.world_size "
+                              f"({world_size}); got {d.num_replicas}")
+        try:
+            ScheduleConfig(d.fragments, d.sync_every, d.delay)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(str(e).replace("diloco ", "diloco.", 1)) from None
+        if not 0.0 <= d.alpha <= 1.0:
+            raise ConfigError(f"diloco.alpha must be in [0, 1]; got {d.alpha}")
+        if d.wire not in WIRES:
+            raise ConfigError(f"diloco.wire must be one of {', '.join(WIRES)}; got {d.wire!r}")
+        if d.block_size <= 0 or d.block_size % 4:
+            raise ConfigError(f"diloco.block_size must be a positive multiple of 4; got {d.block_size}")
+        if d.outer_lr <= 0 or d.outer_momentum < 0 or d.bucket_mb < 0:
+            raise ConfigError("diloco.outer_lr must be > 0, diloco.outer_momentum and diloco.bucket_mb >= 0; "
+                              f"got {d.outer_lr}, {d.outer_momentum}, {d.bucket_mb}")
+
+    def setup(self, model: nn.Module) -> None:
+        d = self.cfg.diloco
+        replicas = d.num_replicas or self.env.world_size
+        self.mesh = replica_mesh(replicas, ledger=self.env.ledger)
+        if self.mesh.dp_size > 1:
+            ddp = DistributedDataParallel(
+                model, device_ids=[self.env.device.index] if self.env.device.type == "cuda" else None,
+                process_group=self.mesh.dp.group, bucket_cap_mb=self.cfg.strategy.bucket_mb,
+                gradient_as_bucket_view=True, broadcast_buffers=False)
+            ddp.register_comm_hook((self.mesh.dp, _WIRE[self.cfg.strategy.grad_wire_dtype]),
+                                   ledger_allreduce_hook)
+            self.model = ddp
+        else:
+            self.model = model
+        o = self.cfg.optim
+        self.optimizer = torch.optim.AdamW(adamw_param_groups(model, o.weight_decay), lr=o.lr,
+                                           betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
+
+        def outer(params: list) -> torch.optim.Optimizer:
+            return torch.optim.SGD(params, lr=d.outer_lr, momentum=d.outer_momentum,
+                                   nesterov=d.outer_nesterov and d.outer_momentum > 0)
+
+        self.diloco = StreamingDiLoCo(model, self.optimizer, comm=self.mesh.cross, sync_every=d.sync_every,
+                                      fragments=d.fragments, delay=d.delay, alpha=d.alpha,
+                                      outer_optimizer=outer, wire=d.wire, block_size=d.block_size,
+                                      bucket_cap_mb=d.bucket_mb or None)
+
+    @contextlib.contextmanager
+    def microbatch(self, last: bool) -> Iterator[None]:
+        if last or not isinstance(self.model, DistributedDataParallel):
+            yield
+        else:
+            with self.model.no_sync():
+                yield
+
+    def optimizer_state_bytes(self) -> int:
+        total = super().optimizer_state_bytes()
+        for o in self.diloco.outer:
+            for state in o.state.values():
+                total += sum(v.numel() * v.element_size() for v in state.values()
+                             if isinstance(v, torch.Tensor))
+        total += sum(g.numel() * g.element_size() for gs in self.diloco.globals for g in gs)
+        return total
+
+    def log_extras(self) -> dict[str, Any]:
+        return {"outer_steps": self.diloco.committed}

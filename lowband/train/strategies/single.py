@@ -1,0 +1,21 @@
+"""``single``: one process, torch AdamW, no communication (the reference every strategy must match)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lowband.train.optimizers import adamw_param_groups
+from lowband.train.strategies import register_strategy
+from lowband.train.strategies.base import Strategy
+
+
+@register_strategy("single")
+class SingleStrategy(Strategy):
+    max_world_size = 1
+
+    def setup(self, model: nn.Module) -> None:
+        self.model = model
+        o = self.cfg.optim
+        self.optimizer = torch.optim.AdamW(adamw_param_groups(model, o.weight_decay), lr=o.lr,
+                                           betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)

@@ -1,0 +1,194 @@
+"""The training loop shared by every strategy.
+
+``train(cfg, env)`` builds the model (identical on every rank from ``run.seed``), the data loaders
+(each rank a disjoint slice of every global batch), the strategy (which distributes the model and
+owns the optimizer), and runs ``run.steps`` optimizer steps with gradient accumulation, LR schedule,
+clipping, validation and logging. It can be called in-process (tests) or from the CLI
+(``python -m lowband.train``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from lowband.train.config import Config, to_toml
+from lowband.train.env import DistEnv, init_distributed
+from lowband.train.metrics import RunWriter, format_log_line, peak_memory_bytes
+from lowband.train.strategies import get_strategy_class
+from lowband.train.strategies.base import Strategy
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    final_loss: float | None
+    final_val_loss: float | None
+    run_dir: Path | None
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    strategy: Strategy | None = None
+
+
+def build_model(cfg: Config, device: torch.device) -> nn.Module:
+    """The reference GPT from ``cfg.model``, seeded by ``run.seed`` (identical on every rank)."""
+    from lowband.model import GPT, GPTConfig
+
+    torch.manual_seed(cfg.run.seed)
+    model = GPT(GPTConfig(**asdict(cfg.model)))
+    return model.to(device=device, dtype=DTYPES[cfg.run.dtype])
+
+
+def load_token_arrays(cfg: Config, env: DistEnv) -> tuple[np.ndarray, np.ndarray]:
+    """Train and validation tokens: the built-in corpus (rank 0 builds the cache first) or .bin shards."""
+    from lowband.data import builtin_corpus, load_tokens
+
+    if cfg.data.source == "bin":
+        train = load_tokens(cfg.data.train_bin)
+        val = load_tokens(cfg.data.val_bin) if cfg.data.val_bin else train[-max(len(train) // 20, 1):]
+        return train, val
+    if env.world_size > 1 and env.rank != 0:
+        env.metrics_comm.barrier(tag="corpus")
+        return builtin_corpus()
+    tokens = builtin_corpus()
+    if env.world_size > 1:
+        env.metrics_comm.barrier(tag="corpus")
+    return tokens
+
+
+def lr_factor(cfg: Config) -> Callable[[int], float]:
+    """Multiplier of the peak lr at optimizer step ``s`` (0-based): linear warmup then the schedule."""
+    o, total = cfg.optim, cfg.run.steps
+
+    def f(step: int) -> float:
+        if o.warmup_steps and step < o.warmup_steps:
+            return (step + 1) / o.warmup_steps
+        if o.schedule == "constant":
+            return 1.0
+        span = max(total - o.warmup_steps, 1)
+        t = min(max(step - o.warmup_steps, 0) / span, 1.0)
+        if o.schedule == "linear":
+            return 1.0 - (1.0 - o.min_lr_ratio) * t
+        return o.min_lr_ratio + (1.0 - o.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+    return f
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: Any, batches: int, env: DistEnv) -> float:
+    """Mean validation loss over ``batches`` fixed batches per rank, averaged over ranks."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64)
+    for i in range(batches):
+        x, y = loader.batch(i)
+        total += model(x.to(env.device), y.to(env.device)).double().cpu()
+    model.train(was_training)
+    mean = total / batches
+    env.metrics_comm.all_reduce(mean, "avg", tag="val")
+    return float(mean)
+
+
+def _set_threads(cfg: Config) -> None:
+    threads = cfg.run.threads
+    if threads == 0:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        threads = max(1, (os.cpu_count() or 1) // max(local, 1))
+    torch.set_num_threads(threads)
+
+
+def train(cfg: Config, env: DistEnv | None = None, *, write_run_dir: bool = True,
+          log: bool = True) -> TrainResult:
+    """Train per ``cfg``; returns the logged rows and final losses (rank 0 writes the run dir)."""
+    from lowband.data import DistributedLoader
+
+    env = env or init_distributed(cfg.run.device, cfg.run.timeout_s)
+    _set_threads(cfg)
+    strategy_cls = get_strategy_class(cfg.strategy.name)
+    strategy_cls.validate_config(cfg, env.world_size)
+    train_tokens, val_tokens = load_token_arrays(cfg, env)
+    micro = cfg.data.batch_size // cfg.data.grad_accum
+    loader = DistributedLoader(train_tokens, cfg.data.batch_size, cfg.model.seq_len, env.rank, env.world_size,
+                               seed=cfg.run.seed)
+    val_loader = DistributedLoader(val_tokens, micro, cfg.model.seq_len, env.rank, env.world_size,
+                                   seed=cfg.run.seed + 1)
+    model = build_model(cfg, env.device)
+    strategy = strategy_cls(cfg, env)
+    strategy.setup(model)
+    schedule = torch.optim.lr_scheduler.LambdaLR(strategy.optimizer, lr_factor(cfg))
+
+    writer: RunWriter | None = None
+    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    if env.is_main and write_run_dir:
+        writer = RunWriter(run_dir)
+        (run_dir / "config.toml").write_text(to_toml(cfg))
+    if env.is_main and log:
+        nparams = sum(p.numel() for p in strategy.unwrapped().parameters())
+        print(f"lowband.train: strategy {cfg.strategy.name} | world {env.world_size} | device "
+              f"{env.device} | params {nparams:,} | tokens/step "
+              f"{cfg.data.batch_size * cfg.model.seq_len * env.world_size:,}", flush=True)
+
+    ledger = env.ledger
+    ledger.mark_step()
+    rows: list[dict[str, Any]] = []
+    last_loss: float | None = None
+    last_val: float | None = None
+    global_tokens = cfg.data.batch_size * cfg.model.seq_len * env.world_size
+    for step in range(cfg.run.steps):
+        t0 = time.perf_counter()
+        x, y = loader.batch(step)
+        x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+        for m in range(cfg.data.grad_accum):
+            xs, ys = x[m * micro:(m + 1) * micro], y[m * micro:(m + 1) * micro]
+            with strategy.microbatch(last=m == cfg.data.grad_accum - 1):
+                loss = strategy.model(xs, ys)
+                (loss / cfg.data.grad_accum).backward()
+            loss_sum += loss.detach().double()
+        grad_norm = strategy.clip_grad_norm(cfg.optim.grad_clip)
+        lr = strategy.optimizer.param_groups[0]["lr"]
+        strategy.optimizer_step()
+        schedule.step()
+        if env.device.type == "cuda":
+            torch.cuda.synchronize(env.device)
+        step_time = time.perf_counter() - t0
+        totals = ledger.mark_step()
+        is_last = step == cfg.run.steps - 1
+        if (step + 1) % cfg.run.log_every == 0 or step == 0 or is_last:
+            mean_loss = (loss_sum / cfg.data.grad_accum).cpu()
+            env.metrics_comm.all_reduce(mean_loss, "avg", tag="loss")
+            last_loss = float(mean_loss)
+            row = {"step": step + 1, "loss": last_loss, "lr": lr, "grad_norm": grad_norm,
+                   "tokens_per_s": global_tokens / step_time, "step_time_s": step_time,
+                   "wire_bytes": totals.wire_bytes, "wire_mb": totals.wire_bytes / 1e6,
+                   "collectives": totals.count, "peak_mem_bytes": peak_memory_bytes(env.device),
+                   "extras": strategy.log_extras()}
+            rows.append(row)
+            if writer:
+                writer.write(row)
+            if env.is_main and log:
+                print(format_log_line(row, cfg.run.steps), flush=True)
+        if (cfg.run.val_every and (step + 1) % cfg.run.val_every == 0) or is_last:
+            last_val = evaluate(strategy.unwrapped(), val_loader, cfg.run.val_batches, env)
+            vrow = {"step": step + 1, "val_loss": last_val}
+            rows.append(vrow)
+            if writer:
+                writer.write(vrow)
+            if env.is_main and log:
+                print(f"step {step + 1:>5}/{cfg.run.steps} | val_loss {last_val:.4f}", flush=True)
+    if writer:
+        writer.close()
+        if log:
+            print(f"lowband.train: run directory {run_dir}", flush=True)
+    return TrainResult(steps=cfg.run.steps, final_loss=last_loss, final_val_loss=last_val,
+                       run_dir=run_dir if writer else None, rows=rows, strategy=strategy)
