@@ -1,0 +1,16 @@
+"""Byte tokenizer, built-in offline corpus, ``.bin`` token shards and the distributed loader."""
+
+from lowband.data.corpus import (
+    build_corpus,
+    builtin_corpus,
+    default_cache_dir,
+    is_val_document,
+    iter_documents,
+)
+from lowband.data.loader import DistributedLoader
+from lowband.data.shards import ShardError, load_tokens, read_shard, write_shard
+from lowband.data.tokenizer import ByteTokenizer
+
+__all__ = ["ByteTokenizer", "DistributedLoader", "ShardError", "build_corpus", "builtin_corpus",
+           "default_cache_dir", "is_val_document", "iter_documents", "load_tokens", "read_shard",
+           "write_shard"]
