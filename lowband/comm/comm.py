@@ -10,6 +10,7 @@ op                        gloo (CPU tensors)             NCCL (CUDA tensors)
 reduce_scatter            all_to_all + local sum         native (all_to_all + sum if the
                                                          wire dtype is narrower than fp32)
 all_gather                one async broadcast per rank   native
+                          (>= 4 MiB; native below)
 all_reduce                native (wire = tensor dtype);  same
                           RS(all_to_all)+AG for bf16
 all_to_all, broadcast     native                         native
@@ -166,6 +167,9 @@ class Comm:
         self.ledger = ledger if ledger is not None else default_ledger()
         self.algorithms = dict(algorithms or {})
         self.workspace = _Workspace()
+        # gloo all-gather: N broadcasts beat all_gather_into_tensor from a few MiB up (bench comm); below,
+        # the native call has less per-call overhead.
+        self.gloo_broadcast_gather_min_bytes = 4 << 20
         for op, algo in self.algorithms.items():
             if op not in ALGORITHMS or algo not in ALGORITHMS[op]:
                 allowed = {k: list(v) for k, v in ALGORITHMS.items()}
@@ -373,7 +377,10 @@ class Comm:
             output.view(-1).copy_(src.reshape(-1))
             return self._finish_handle(CommHandle(rec, [], t0, None, output), async_op)
         nbytes = ring_wire_bytes("all_gather", n, output.numel() * esize)
-        algo = self._algo("all_gather", "native" if self._is_nccl(input) else "broadcast")
+        nbytes_out = output.numel() * esize
+        default = "native" if self._is_nccl(input) or nbytes_out < self.gloo_broadcast_gather_min_bytes \
+            else "broadcast"
+        algo = self._algo("all_gather", default)
         rec = self._record("all_gather", output.numel(), wire, nbytes, algo, tag, async_op)
         flat_out = output.view(-1)
         buf = flat_out if wire == output.dtype else torch.empty(flat_out.shape, dtype=wire,

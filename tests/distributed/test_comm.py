@@ -49,6 +49,12 @@ def _collectives_match_torch(dtype_name: str) -> None:
     ref_list = [torch.empty(m, dtype=dtype) for _ in range(n)]
     dist.all_gather(ref_list, mine)
     assert torch.equal(full, torch.cat(ref_list))
+    bcast = Comm(name="world", ledger=CommLedger(), algorithms={"all_gather": "broadcast"})
+    full2 = torch.empty(n * m, dtype=dtype)
+    bcast.all_gather(full2, mine, async_op=True).wait()
+    assert torch.equal(full2, full)
+    assert bcast.ledger.records[0].algorithm == ("broadcast" if n > 1 else "local")
+    assert bcast.ledger.wire_bytes() == (n - 1) * m * esize
 
     # all-reduce sum / avg / max
     y = x.clone()
@@ -132,6 +138,10 @@ def _bf16_wire() -> None:
     full = torch.empty(n * m)
     comm.all_gather(full, x[:m], wire_dtype=torch.bfloat16)
     assert torch.equal(full, torch.cat([a[:m].bfloat16().float() for a in allx]))
+    bcast = Comm(ledger=CommLedger(), algorithms={"all_gather": "broadcast"})
+    full2 = torch.empty(n * m)
+    bcast.all_gather(full2, x[:m], wire_dtype=torch.bfloat16)
+    assert torch.equal(full2, full)
     assert ledger.wire_bytes("all_gather") == (n - 1) * m * 2
 
     y = x.clone()
