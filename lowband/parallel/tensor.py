@@ -1,0 +1,265 @@
+"""Megatron-style tensor-parallel linear layers over a TP :class:`~lowband.comm.Comm`.
+
+``ColumnParallelLinear`` splits the output features: rank ``r`` of a TP group of size ``T`` holds rows
+``[r*out/T, (r+1)*out/T)`` of the dense ``weight`` (out x in) and the same slice of the bias. Its
+input is replicated on every TP rank; its output is the rank's slice of the output features.
+
+* forward: identity on the input (no traffic), ``Y_r = X W_r^T + b_r``; with ``gather_output=True``
+  one all-gather of the output slices (backward: keep the local slice, no traffic).
+* backward: ``dX`` is summed over the group with one all-reduce (``tag="tp:col_dx"``).
+
+``RowParallelLinear`` splits the input features: rank ``r`` holds columns ``[r*in/T, (r+1)*in/T)`` of
+``weight``; its input is the rank's slice of the input features (``input_is_parallel=True``, e.g. the
+output of a ``ColumnParallelLinear``), or a replicated input that it slices itself (backward: one
+all-gather of ``dX``). The bias is replicated.
+
+* forward: partial output ``X_r W_r^T``, summed over the group with one all-reduce
+  (``tag="tp:row_y"``), then ``+ b``.
+* backward: identity on ``dY`` (no traffic).
+
+Each parameter carries its layout for optimizers (e.g. :class:`lowband.optim.tp_rekls.TpRekls`):
+``param.partition_dim`` (0 = rows of the dense tensor, 1 = columns, ``None`` = replicated) and
+``param.tp_comm`` (the TP :class:`Comm`). ``param.full_shape`` is the dense shape.
+
+Initialization: the dense weight is drawn like ``torch.nn.Linear`` from the global RNG (or the given
+generator) and sliced, so every TP rank must be in the same RNG state (``torch.manual_seed`` with the
+same seed) to build the same dense layer; :meth:`from_dense` slices an existing ``nn.Linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lowband.comm import Comm
+
+
+def _comm_or_local(tp_comm: Comm | None) -> Comm:
+    if tp_comm is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError("tensor-parallel layer: tp_comm is required when torch.distributed has "
+                             "more than one rank (pass the TP group's Comm)")
+        return Comm(name="tp")
+    if not isinstance(tp_comm, Comm):
+        raise TypeError(f"tensor-parallel layer: tp_comm must be a lowband.comm.Comm, got "
+                        f"{type(tp_comm).__name__}")
+    return tp_comm
+
+
+def _check_split(what: str, features: int, size: int) -> None:
+    if isinstance(features, bool) or not isinstance(features, int) or features < 1:
+        raise ValueError(f"{what} must be a positive int, got {features!r}")
+    if features % size:
+        raise ValueError(f"{what}={features} is not divisible by the TP group size {size}")
+
+
+def mark_partition(param: nn.Parameter, partition_dim: int | None, tp_comm: Comm,
+                   full_shape: tuple[int, ...]) -> nn.Parameter:
+    """Attach the TP layout attributes (``partition_dim``, ``tp_comm``, ``full_shape``) to ``param``."""
+    param.partition_dim = partition_dim
+    param.tp_comm = tp_comm
+    param.full_shape = tuple(full_shape)
+    return param
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward; all-reduce (sum) of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        ctx.comm.all_reduce(grad, "sum", tag="tp:col_dx")
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """All-reduce (sum) forward; identity backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+        out = x.contiguous().clone()
+        comm.all_reduce(out, "sum", tag="tp:row_y")
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """All-gather along the last dim forward; keep the local slice backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+        ctx.comm = comm
+        n = comm.size
+        xc = x.contiguous()
+        buf = torch.empty((n, *xc.shape), dtype=xc.dtype, device=xc.device)
+        comm.all_gather(buf, xc, tag="tp:gather_y")
+        return torch.cat(list(buf.unbind(0)), dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        comm = ctx.comm
+        return grad.chunk(comm.size, dim=-1)[comm.rank].contiguous(), None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    """Keep the local slice of the last dim forward; all-gather of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+        ctx.comm = comm
+        return x.chunk(comm.size, dim=-1)[comm.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        comm = ctx.comm
+        g = grad.contiguous()
+        buf = torch.empty((comm.size, *g.shape), dtype=g.dtype, device=g.device)
+        comm.all_gather(buf, g, tag="tp:row_dx")
+        return torch.cat(list(buf.unbind(0)), dim=-1), None
+
+
+def _dense_init(out_features: int, in_features: int, bias: bool, dtype: torch.dtype | None,
+                device: torch.device | str | None,
+                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``nn.Linear``'s default init (kaiming-uniform a=sqrt(5); bias U(-1/sqrt(in), 1/sqrt(in)))."""
+    bound = 1.0 / in_features ** 0.5
+    w = torch.empty(out_features, in_features, dtype=dtype, device=device)
+    w.uniform_(-bound, bound, generator=generator)  # == kaiming_uniform_(a=sqrt(5)) for Linear
+    b = None
+    if bias:
+        b = torch.empty(out_features, dtype=dtype, device=device).uniform_(-bound, bound,
+                                                                            generator=generator)
+    return w, b
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y = X W^T + b`` with ``W`` split by rows (output features) over the TP group.
+
+    Args:
+        in_features: dense input features (replicated input).
+        out_features: dense output features; divisible by the TP size.
+        tp_comm: the TP group's :class:`Comm` (``None`` only without a multi-rank default group).
+        bias: add a bias (split like the output).
+        gather_output: all-gather the output slices so every rank returns the dense output.
+        dtype, device: of the parameters.
+        generator: RNG for the dense init (default: the global RNG).
+
+    Communication: backward all-reduces ``dX`` (one call, numel = input numel); forward is
+    traffic-free unless ``gather_output`` (one all-gather of the output).
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp_comm: Comm | None = None, *,
+                 bias: bool = True, gather_output: bool = False, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None,
+                 generator: torch.Generator | None = None) -> None:
+        super().__init__()
+        self.tp_comm = _comm_or_local(tp_comm)
+        n, r = self.tp_comm.size, self.tp_comm.rank
+        _check_split("ColumnParallelLinear: out_features", out_features, n)
+        _check_split("ColumnParallelLinear: in_features", in_features, 1)
+        self.in_features, self.out_features, self.gather_output = in_features, out_features, gather_output
+        w, b = _dense_init(out_features, in_features, bias, dtype, device, generator)
+        self.weight = mark_partition(nn.Parameter(w.chunk(n, 0)[r].clone()), 0, self.tp_comm,
+                                     (out_features, in_features))
+        self.bias = None if b is None else mark_partition(nn.Parameter(b.chunk(n, 0)[r].clone()), 0,
+                                                          self.tp_comm, (out_features,))
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, tp_comm: Comm | None = None, *,
+                   gather_output: bool = False) -> ColumnParallelLinear:
+        """This rank's slice of an existing dense ``nn.Linear`` (same on every TP rank)."""
+        layer = cls(linear.in_features, linear.out_features, tp_comm, bias=linear.bias is not None,
+                    gather_output=gather_output, dtype=linear.weight.dtype, device=linear.weight.device)
+        n, r = layer.tp_comm.size, layer.tp_comm.rank
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight.chunk(n, 0)[r])
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias.chunk(n, 0)[r])
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_comm.size > 1:
+            x = _CopyToTP.apply(x, self.tp_comm)
+        y = F.linear(x, self.weight, self.bias)
+        if self.gather_output and self.tp_comm.size > 1:
+            y = _GatherFromTP.apply(y, self.tp_comm)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"(local {self.weight.shape[0]}), tp={self.tp_comm.size}, gather_output={self.gather_output}")
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = X W^T + b`` with ``W`` split by columns (input features) over the TP group.
+
+    Args:
+        in_features: dense input features; divisible by the TP size.
+        out_features: dense output features (replicated output).
+        tp_comm: the TP group's :class:`Comm`.
+        bias: add a replicated bias after the reduction.
+        input_is_parallel: the input is already this rank's slice of the input features; if
+            ``False`` the layer slices a replicated input (backward all-gathers ``dX``).
+        dtype, device, generator: as for :class:`ColumnParallelLinear`.
+
+    Communication: forward all-reduces the partial output (one call, numel = output numel);
+    backward is traffic-free unless ``input_is_parallel=False``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp_comm: Comm | None = None, *,
+                 bias: bool = True, input_is_parallel: bool = True, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None,
+                 generator: torch.Generator | None = None) -> None:
+        super().__init__()
+        self.tp_comm = _comm_or_local(tp_comm)
+        n, r = self.tp_comm.size, self.tp_comm.rank
+        _check_split("RowParallelLinear: in_features", in_features, n)
+        _check_split("RowParallelLinear: out_features", out_features, 1)
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel = input_is_parallel
+        w, b = _dense_init(out_features, in_features, bias, dtype, device, generator)
+        self.weight = mark_partition(nn.Parameter(w.chunk(n, 1)[r].contiguous()), 1, self.tp_comm,
+                                     (out_features, in_features))
+        self.bias = None if b is None else mark_partition(nn.Parameter(b), None, self.tp_comm,
+                                                          (out_features,))
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, tp_comm: Comm | None = None, *,
+                   input_is_parallel: bool = True) -> RowParallelLinear:
+        """This rank's slice of an existing dense ``nn.Linear`` (same on every TP rank)."""
+        layer = cls(linear.in_features, linear.out_features, tp_comm, bias=linear.bias is not None,
+                    input_is_parallel=input_is_parallel, dtype=linear.weight.dtype,
+                    device=linear.weight.device)
+        n, r = layer.tp_comm.size, layer.tp_comm.rank
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight.chunk(n, 1)[r])
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.tp_comm.size
+        if not self.input_is_parallel and n > 1:
+            x = _ScatterToTP.apply(x, self.tp_comm)
+        y = F.linear(x, self.weight)
+        if n > 1:
+            y = _ReduceFromTP.apply(y, self.tp_comm)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (local {self.weight.shape[1]}), "
+                f"out_features={self.out_features}, tp={self.tp_comm.size}, "
+                f"input_is_parallel={self.input_is_parallel}")
