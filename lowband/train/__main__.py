@@ -52,13 +52,23 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={cfg.run.world_size}", "--module", "lowband.train", *argv]
         return subprocess.call(cmd)
-    from lowband.train.trainer import train
-
-    train(cfg)
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    from lowband.train.checkpoint import CheckpointError
+    from lowband.train.guards import NonFiniteStepError, PeerFailureError
+    from lowband.train.trainer import train
+
+    try:
+        train(cfg)
+    except CheckpointError as e:
+        print(f"lowband.train: error: {e}", file=sys.stderr)
+        return 2
+    except (NonFiniteStepError, PeerFailureError) as e:
+        print(f"lowband.train: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 

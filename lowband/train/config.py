@@ -105,6 +105,9 @@ class StrategyConfig:
     """Gradient bucket size in MB (DDP and the sharded optimizers)."""
     grad_wire_dtype: str = "float32"
     """Gradients travel as float32 | bfloat16 (the reduction accumulates in fp32)."""
+    param_wire_dtype: str = "float32"
+    """strategies sharded-*: updated parameters are all-gathered as float32 | bfloat16 (bf16: the owner
+    keeps an fp32 master of its slice; every rank computes with the bf16-rounded weights)."""
     gtp_size: int = 0
     """strategy gtp: GTP group size (0 = the whole world); must divide run.world_size (rest is DP)."""
     gtp_gather: str = "native"
@@ -113,6 +116,10 @@ class StrategyConfig:
     """strategy gtp: fp8 scaling block edge (block = gtp_fp8_block x gtp_fp8_block weight elements)."""
     gtp_finalize_depth: int = 2
     """strategy gtp: reduce-scatters left in flight before the oldest is finalized."""
+    tp_size: int = 0
+    """strategy tp: tensor-parallel group size (0 = the whole world); must divide run.world_size (rest is DP)."""
+    tp_optimizer: str = "rekls"
+    """strategy tp: rekls (TP-REKLS on the sharded block matrices, AdamW elsewhere) | adamw."""
 
 
 @dataclass(kw_only=True)
@@ -141,6 +148,34 @@ class DilocoConfig:
 
 
 @dataclass(kw_only=True)
+class CheckpointConfig:
+    """Distributed checkpoints (``torch.distributed.checkpoint``); see docs/checkpoints.md."""
+
+    dir: str = ""
+    """Checkpoint directory; "" = ``<run.out_dir>/<run.name>/checkpoint``. Holds ``step-<N>/`` folders."""
+    every: int = 0
+    """Save every this many optimizer steps and at the end; 0 = off (then only an explicit resume path loads)."""
+    keep_last: int = 2
+    """Committed checkpoints kept; older ones are deleted after each successful save."""
+    async_save: bool = False
+    """Write in a background thread (``dcp.async_save``); training continues after the state is copied."""
+    resume: str = "latest"
+    """latest (newest committed checkpoint in ``dir``, if any, when ``every > 0``) | none | a step-<N> path."""
+    verify: bool = True
+    """Record SHA-256 of every checkpoint file at save and check it (rank 0) before loading."""
+
+
+@dataclass(kw_only=True)
+class GuardConfig:
+    """Non-finite loss / gradient-norm guard; see docs/checkpoints.md."""
+
+    skip_nonfinite: bool = True
+    """Skip (on every rank alike) a step whose loss or gradient norm is NaN/inf; false = stop at once."""
+    max_consecutive: int = 3
+    """Stop with an error after this many skipped steps in a row."""
+
+
+@dataclass(kw_only=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -148,6 +183,8 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     diloco: DilocoConfig = field(default_factory=DilocoConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -159,14 +196,18 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.source": ("builtin", "bin"),
     "optim.schedule": ("cosine", "linear", "constant"),
     "strategy.grad_wire_dtype": ("float32", "bfloat16"),
+    "strategy.param_wire_dtype": ("float32", "bfloat16"),
     "strategy.gtp_gather": ("native", "bf16", "fp8"),
+    "strategy.tp_optimizer": ("rekls", "adamw"),
 }
 POSITIVE: tuple[str, ...] = (
     "run.steps", "run.log_every", "run.val_batches", "run.world_size", "run.timeout_s",
     "model.vocab_size", "model.seq_len", "model.n_layer", "model.n_head", "model.n_embd", "model.mlp_ratio",
+    "checkpoint.keep_last", "guard.max_consecutive",
     "data.batch_size", "data.grad_accum", "optim.lr", "strategy.bucket_mb",
 )
 NON_NEGATIVE: tuple[str, ...] = (
+    "checkpoint.every",
     "run.val_every", "run.threads", "model.bigram_rows", "optim.weight_decay", "optim.warmup_steps",
     "optim.min_lr_ratio", "optim.grad_clip", "optim.eps", "optim.muon_lr", "optim.muon_momentum",
 )
@@ -333,6 +374,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"optim.beta1/beta2 must be in [0, 1), got {cfg.optim.beta1}, {cfg.optim.beta2}")
     if cfg.optim.min_lr_ratio > 1:
         raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {cfg.optim.min_lr_ratio}")
+    if cfg.checkpoint.resume not in ("latest", "none") and not cfg.checkpoint.resume.strip():
+        raise ConfigError("checkpoint.resume must be latest, none or a checkpoint path; got ''")
     from lowband.train.strategies import get_strategy_class
 
     strategy_cls = get_strategy_class(cfg.strategy.name)

@@ -21,8 +21,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from lowband.train.checkpoint import TrainCheckpointer
 from lowband.train.config import Config, to_toml
 from lowband.train.env import DistEnv, init_distributed
+from lowband.train.guards import NonFiniteGuard, peer_failure_guard
 from lowband.train.metrics import RunWriter, format_log_line, peak_memory_bytes
 from lowband.train.strategies import get_strategy_class
 from lowband.train.strategies.base import Strategy
@@ -38,6 +40,10 @@ class TrainResult:
     run_dir: Path | None
     rows: list[dict[str, Any]] = field(default_factory=list)
     strategy: Strategy | None = None
+    start_step: int = 0
+    """The step the run resumed from (0 = fresh start)."""
+    skipped_steps: list[int] = field(default_factory=list)
+    """1-based steps whose update the non-finite guard skipped (this run and the checkpointed part)."""
 
 
 def build_model(cfg: Config, device: torch.device) -> nn.Module:
@@ -107,12 +113,34 @@ def _set_threads(cfg: Config) -> None:
     torch.set_num_threads(threads)
 
 
+def _rows_before(path: Path, step: int) -> list[dict[str, Any]]:
+    """The rows of an earlier ``metrics.jsonl`` up to ``step`` (empty if missing or unreadable)."""
+    import json
+
+    try:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []
+    return [r for r in rows if isinstance(r, dict) and r.get("step", step + 1) <= step]
+
+
 def train(cfg: Config, env: DistEnv | None = None, *, write_run_dir: bool = True,
-          log: bool = True) -> TrainResult:
-    """Train per ``cfg``; returns the logged rows and final losses (rank 0 writes the run dir)."""
+          log: bool = True, stop_after: int | None = None) -> TrainResult:
+    """Train per ``cfg``; returns the logged rows and final losses (rank 0 writes the run dir).
+
+    With ``[checkpoint] every > 0`` it resumes from the latest checkpoint and saves every ``every`` steps
+    and at the end. ``stop_after`` ends the run after that many total steps (as a preemption would; a
+    checkpoint is saved there when checkpointing is on); the LR schedule still spans ``run.steps``.
+    A backend error from a dead or unresponsive peer is re-raised as ``PeerFailureError``.
+    """
+    env = env or init_distributed(cfg.run.device, cfg.run.timeout_s)
+    with peer_failure_guard(env.rank, env.world_size, cfg.run.timeout_s):
+        return _train(cfg, env, write_run_dir=write_run_dir, log=log, stop_after=stop_after)
+
+
+def _train(cfg: Config, env: DistEnv, *, write_run_dir: bool, log: bool, stop_after: int | None) -> TrainResult:
     from lowband.data import DistributedLoader
 
-    env = env or init_distributed(cfg.run.device, cfg.run.timeout_s)
     _set_threads(cfg)
     strategy_cls = get_strategy_class(cfg.strategy.name)
     strategy_cls.validate_config(cfg, env.world_size)
@@ -126,11 +154,20 @@ def train(cfg: Config, env: DistEnv | None = None, *, write_run_dir: bool = True
     strategy = strategy_cls(cfg, env)
     strategy.setup(model)
     schedule = torch.optim.lr_scheduler.LambdaLR(strategy.optimizer, lr_factor(cfg))
+    guard = NonFiniteGuard(env.metrics_comm, cfg.guard.skip_nonfinite, cfg.guard.max_consecutive)
+    checkpointer = TrainCheckpointer(cfg, env, strategy, schedule, loader, guard)
+    start_step = checkpointer.resume()
+    end_step = cfg.run.steps if stop_after is None else max(min(stop_after, cfg.run.steps), start_step)
 
     writer: RunWriter | None = None
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    if env.is_main and log and checkpointer.resumed_from is not None:
+        print(f"lowband.train: resumed from {checkpointer.resumed_from.path} (step {start_step})", flush=True)
     if env.is_main and write_run_dir:
+        earlier = _rows_before(run_dir / "metrics.jsonl", start_step) if start_step else []
         writer = RunWriter(run_dir)
+        for row in earlier:  # a resumed run keeps the history up to its checkpoint
+            writer.write(row)
         (run_dir / "config.toml").write_text(to_toml(cfg))
     if env.is_main and log:
         nparams = sum(p.numel() for p in strategy.unwrapped().parameters())
@@ -144,7 +181,7 @@ def train(cfg: Config, env: DistEnv | None = None, *, write_run_dir: bool = True
     last_loss: float | None = None
     last_val: float | None = None
     global_tokens = cfg.data.batch_size * cfg.model.seq_len * env.world_size
-    for step in range(cfg.run.steps):
+    for step in range(start_step, end_step):
         t0 = time.perf_counter()
         x, y = loader.batch(step)
         x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
@@ -157,8 +194,15 @@ def train(cfg: Config, env: DistEnv | None = None, *, write_run_dir: bool = True
             loss_sum += loss.detach().double()
         grad_norm = strategy.clip_grad_norm(cfg.optim.grad_clip)
         lr = strategy.optimizer.param_groups[0]["lr"]
-        strategy.optimizer_step()
+        verdict = guard.check(step + 1, loss_sum, grad_norm)  # same verdict on every rank
+        if verdict.skip:
+            strategy.skip_step()
+            if env.is_main and log:
+                print(f"lowband.train: {verdict.message}", flush=True)
+        else:
+            strategy.optimizer_step()
         schedule.step()
+        loader.step = step + 1
         if env.device.type == "cuda":
             torch.cuda.synchronize(env.device)
         step_time = time.perf_counter() - t0
@@ -172,7 +216,7 @@ def train(cfg: Config, env: DistEnv | None = None, *, write_run_dir: bool = True
                    "tokens_per_s": global_tokens / step_time, "step_time_s": step_time,
                    "wire_bytes": totals.wire_bytes, "wire_mb": totals.wire_bytes / 1e6,
                    "collectives": totals.count, "peak_mem_bytes": peak_memory_bytes(env.device),
-                   "extras": strategy.log_extras()}
+                   "skipped": verdict.skip, "skipped_total": guard.total, "extras": strategy.log_extras()}
             rows.append(row)
             if writer:
                 writer.write(row)
@@ -186,9 +230,16 @@ def train(cfg: Config, env: DistEnv | None = None, *, write_run_dir: bool = True
                 writer.write(vrow)
             if env.is_main and log:
                 print(f"step {step + 1:>5}/{cfg.run.steps} | val_loss {last_val:.4f}", flush=True)
+        if checkpointer.due(step + 1, final=step + 1 == end_step):
+            checkpointer.save(step + 1)
+            if env.is_main and log:
+                print(f"lowband.train: checkpoint step-{step + 1} ({checkpointer.manager.last_save_s:.2f} s"
+                      f"{', async' if cfg.checkpoint.async_save else ''})", flush=True)
+    checkpointer.close()
     if writer:
         writer.close()
         if log:
             print(f"lowband.train: run directory {run_dir}", flush=True)
-    return TrainResult(steps=cfg.run.steps, final_loss=last_loss, final_val_loss=last_val,
-                       run_dir=run_dir if writer else None, rows=rows, strategy=strategy)
+    return TrainResult(steps=end_step, final_loss=last_loss, final_val_loss=last_val,
+                       run_dir=run_dir if writer else None, rows=rows, strategy=strategy, start_step=start_step,
+                       skipped_steps=list(guard.skipped_steps))

@@ -86,3 +86,78 @@ class Strategy:
     def unwrapped(self) -> nn.Module:
         """The plain model (for evaluation and checkpoints)."""
         return getattr(self.model, "module", self.model)
+
+    # ----------------------------------------------------------------------------------------------
+    # Checkpoint and guard hooks (see docs/checkpoints.md). The defaults fit a strategy whose state is
+    # the full model on every rank plus one torch optimizer over its parameters (``single``, ``ddp``).
+    # A strategy with sharded or extra state overrides all of them.
+
+    def checkpoint_format(self) -> str | None:
+        """Tag of the layout :meth:`state_dict` produces; a checkpoint loads only into a run whose strategy
+        returns the same tag. ``None`` (the default for strategies that have not implemented their hooks)
+        makes the trainer refuse to save or load. ``single`` and ``ddp`` share ``"replicated"``."""
+        return _DEFAULT_CHECKPOINT_FORMATS.get(self.name)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's view of the strategy state, as ``torch.distributed.checkpoint`` (DCP) saves it.
+
+        Values must be DCP-reshardable: plain tensors only where every rank holds the same full tensor
+        under the same key (replicated; DCP writes one copy), ``DTensor`` for sharded state (DCP writes
+        each shard once and reshards on load to any mesh), and small picklable objects that are the same
+        on every rank. Keys must not depend on the rank or the world size.
+
+        Default: ``{"model": ..., "optim": ...}`` from ``get_state_dict(model, optimizer)`` with flattened
+        optimizer keys (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``), parameter FQNs without
+        wrapper prefixes. Called on a fresh optimizer this runs ``optimizer.step()`` once with lr 0 and
+        zero grads on every rank (DCP's state initialization), so it is called on all ranks alike.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer,
+                                            options=StateDictOptions(flatten_optimizer_state_dict=True))
+        return {"model": model_sd, "optim": optim_sd}
+
+    def prepare_resume(self) -> None:
+        """Called on every rank right before a checkpoint is loaded into this freshly set-up strategy.
+
+        Brings one-time lazy state to where an uninterrupted run has it after its first step, so the
+        resumed steps run the same arithmetic. Default: if ``self.model`` is ``DistributedDataParallel``,
+        one throwaway forward/backward on a zero batch (gradients discarded, no optimizer step; one
+        gradient all-reduce per bucket, before the first logged step), because DDP rebuilds its gradient
+        buckets in gradient-ready order after its first synchronized backward, and with more than two
+        ranks the ring all-reduce rounds differently for a different bucket layout.
+        """
+        from torch.nn.parallel import DistributedDataParallel
+
+        if not isinstance(self.model, DistributedDataParallel):
+            return
+        seq = self.cfg.model.seq_len
+        x = torch.zeros(1, seq, dtype=torch.long, device=self.env.device)
+        self.model(x, x).backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.model.parameters():
+            p.grad = None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Apply ``state`` (a :meth:`state_dict` filled in by ``dcp.load``) to the model and optimizer."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"],
+                       options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+    def param_shapes(self) -> dict[str, tuple[list[int], str]]:
+        """Global (unsharded) shape and dtype of every parameter by FQN; checked against a checkpoint's
+        before loading. Sharded strategies report the full shapes, not their local shards."""
+        return {n: (list(p.shape), str(p.dtype).removeprefix("torch."))
+                for n, p in self.unwrapped().named_parameters()}
+
+    def skip_step(self) -> None:
+        """Drop this step's gradients without touching parameters or optimizer state (the non-finite
+        guard decided, identically on every rank, to skip the update). A strategy with gradient
+        communication still in flight, or with state updated outside ``optimizer.step``, drains it
+        here so that nothing is left half-updated."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+_DEFAULT_CHECKPOINT_FORMATS = {"single": "replicated", "ddp": "replicated"}

@@ -1,0 +1,503 @@
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP): atomic, keep-last-K, optional async, reshardable.
+
+Layout of ``checkpoint.dir`` (default ``<run.out_dir>/<run.name>/checkpoint``)::
+
+    step-<N>/                  a committed checkpoint after N optimizer steps
+        .metadata              DCP's global metadata (written by the coordinator, rank 0)
+        __<r>_0.distcp         DCP data written by rank r (replicated tensors once, shards by owner)
+        lowband_checkpoint.json   the commit marker: what was saved (see ``expected_meta``) and the
+                               size and SHA-256 of every file above; written last, then the folder renamed
+    .tmp-step-<N>/             a save in progress, or one that crashed: never loaded, removed by the next save
+
+Save protocol (every rank calls it at the same step): rank 0 clears ``.tmp-step-N``; barrier; every rank
+``dcp.save`` (or ``dcp.async_save`` in a background thread, on its own gloo group) into it; then at commit
+(at once, or for async when the next save starts or the run ends) a barrier, rank 0 writes the marker into
+the temporary folder and ``os.replace`` s it to ``step-N``, deletes all but the newest ``keep_last``
+committed checkpoints and stale temporary folders, and a final barrier. A crash at any point before the
+rename leaves only ``.tmp-step-N``, which no load considers: the previous checkpoint stays the latest.
+
+Load protocol: rank 0 reads the marker, checks that every recorded file is there with the recorded size
+(and SHA-256 when ``checkpoint.verify``), and shares the result with every rank (one ``all_gather_object``),
+so a corrupt or mismatched checkpoint raises the same :class:`CheckpointError` on every rank before any
+DCP collective. Then every rank builds the state it expects (the same structure it would save) and
+``dcp.load`` fills it in place, resharding DTensor state to the current world.
+
+What is saved (one DCP state dict):
+    ``strategy``: ``Strategy.state_dict()`` (model and optimizer, sharded state as DTensors; see
+    docs/checkpoints.md for what each strategy provides); ``trainer``: pickled step, LR scheduler, data
+    loader position and guard counters (identical on every rank, written once); ``rng_rank<r>``: rank r's
+    torch / numpy / python (and CUDA) RNG states. Resuming at a different world size, rank r reads
+    ``rng_rank<r mod saved_world>``.
+
+Communication: DCP's own gather/scatter of plans and metadata on the world group (not counted in the
+training ledger), plus barriers and one ``all_gather_object`` on the metrics ``Comm``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import pickle
+import random
+import shutil
+import time
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from lowband.comm import Comm
+
+if TYPE_CHECKING:
+    from lowband.train.config import Config
+    from lowband.train.env import DistEnv
+    from lowband.train.guards import NonFiniteGuard
+    from lowband.train.strategies.base import Strategy
+
+FORMAT_VERSION = 1
+MARKER = "lowband_checkpoint.json"
+STEP_PREFIX = "step-"
+TMP_PREFIX = ".tmp-step-"
+OLD_PREFIX = ".old-step-"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: missing, not committed, corrupt, or from a different run setup.
+    The message names the checkpoint and what differs."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint: its folder, step and marker contents."""
+
+    path: Path
+    step: int
+    meta: dict[str, Any]
+
+
+# --------------------------------------------------------------------------------------------------
+# Folder scanning and the commit marker (pure filesystem; no collectives).
+
+def _step_of(name: str, prefix: str = STEP_PREFIX) -> int | None:
+    if not name.startswith(prefix):
+        return None
+    tail = name[len(prefix):]
+    return int(tail) if tail.isdigit() else None
+
+
+def read_marker(path: str | os.PathLike) -> dict[str, Any]:
+    """The commit marker of checkpoint folder ``path``.
+
+    Raises:
+        CheckpointError: no such folder, not committed (no marker), or an unreadable marker.
+    """
+    p = Path(path)
+    if not p.is_dir():
+        raise CheckpointError(f"checkpoint {str(p)!r} does not exist (expected a step-<N> folder)")
+    marker = p / MARKER
+    if not marker.is_file():
+        raise CheckpointError(f"checkpoint {str(p)!r} is not committed: {MARKER} is missing (an interrupted "
+                              "save, or not a lowband checkpoint)")
+    try:
+        meta = json.loads(marker.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {str(p)!r} is corrupt: {MARKER} is not valid JSON ({e})") from e
+    if not isinstance(meta, dict) or "format" not in meta or "files" not in meta or "step" not in meta:
+        raise CheckpointError(f"checkpoint {str(p)!r} is corrupt: {MARKER} lacks format/step/files")
+    if meta["format"] != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {str(p)!r} has format version {meta['format']!r}; this lowband "
+                              f"reads version {FORMAT_VERSION}")
+    return meta
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[CheckpointInfo]:
+    """Committed checkpoints in ``directory``, oldest first (folders without a valid marker are ignored)."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    out = []
+    for child in d.iterdir():
+        step = _step_of(child.name)
+        if step is None or not child.is_dir():
+            continue
+        try:
+            meta = read_marker(child)
+        except CheckpointError:
+            continue
+        out.append(CheckpointInfo(child, step, meta))
+    return sorted(out, key=lambda c: c.step)
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> CheckpointInfo | None:
+    """The newest committed checkpoint in ``directory``, or ``None``."""
+    found = list_checkpoints(directory)
+    return found[-1] if found else None
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """Silence DCP's "assuming the intent is to save/load in a single process" warning (that is the intent)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process")
+        yield
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def verify_files(path: str | os.PathLike, meta: dict[str, Any], *, hashes: bool = True) -> None:
+    """Check that every file the marker records exists with its size (and SHA-256 when ``hashes``).
+
+    Raises:
+        CheckpointError: naming the first missing, truncated or altered file.
+    """
+    p = Path(path)
+    for name, rec in sorted(meta["files"].items()):
+        f = p / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {str(p)!r} is corrupt: file {name!r} is missing")
+        size = f.stat().st_size
+        if size != rec["size"]:
+            raise CheckpointError(f"checkpoint {str(p)!r} is corrupt: file {name!r} has {size} bytes, the "
+                                  f"marker recorded {rec['size']}")
+        if hashes and rec.get("sha256") and _sha256(f) != rec["sha256"]:
+            raise CheckpointError(f"checkpoint {str(p)!r} is corrupt: file {name!r} does not match its "
+                                  "recorded SHA-256")
+
+
+def describe_mismatch(saved: dict[str, Any], expected: dict[str, Any]) -> list[str]:
+    """Human-readable differences between a checkpoint's marker and what this run expects."""
+    diffs = []
+    if saved.get("state_format") != expected["state_format"]:
+        diffs.append(f"strategy: checkpoint {saved.get('strategy')!r} (state format "
+                     f"{saved.get('state_format')!r}), this run {expected['strategy']!r} (state format "
+                     f"{expected['state_format']!r})")
+    for k, v in expected["model"].items():
+        sv = saved.get("model", {}).get(k)
+        if sv != v:
+            diffs.append(f"model.{k}: checkpoint {sv!r}, this run {v!r}")
+    if saved.get("dtype") != expected["dtype"]:
+        diffs.append(f"run.dtype: checkpoint {saved.get('dtype')!r}, this run {expected['dtype']!r}")
+    if not any(d.startswith("model.") for d in diffs):
+        sp, ep = saved.get("params", {}), expected["params"]
+        missing = sorted(set(ep) - set(sp))
+        extra = sorted(set(sp) - set(ep))
+        if missing:
+            diffs.append(f"parameters missing from the checkpoint: {', '.join(missing[:5])}"
+                         + (" ..." if len(missing) > 5 else ""))
+        if extra:
+            diffs.append(f"parameters in the checkpoint but not in this model: {', '.join(extra[:5])}"
+                         + (" ..." if len(extra) > 5 else ""))
+        for name in sorted(set(ep) & set(sp)):
+            if list(sp[name][0]) != list(ep[name][0]) or sp[name][1] != ep[name][1]:
+                diffs.append(f"parameter {name}: checkpoint shape {list(sp[name][0])} {sp[name][1]}, this run "
+                             f"{list(ep[name][0])} {ep[name][1]}")
+    if saved.get("global_batch") != expected["global_batch"]:
+        diffs.append(f"global batch (data.batch_size x world size): checkpoint {saved.get('global_batch')!r}, "
+                     f"this run {expected['global_batch']!r} (the data position would not match)")
+    return diffs
+
+
+# --------------------------------------------------------------------------------------------------
+# The manager: atomic DCP save/commit, keep-last-K, async, verified load.
+
+class CheckpointManager:
+    """Saves and loads DCP checkpoints in ``directory`` with an atomic commit (see the module docstring).
+
+    Every rank constructs one (in the same order relative to other group creations when ``async_save``,
+    which creates a dedicated gloo group) and calls :meth:`save`, :meth:`wait`, :meth:`load` and
+    :meth:`close` at the same points.
+
+    Args:
+        directory: the checkpoint directory (shared by every rank; created on demand).
+        comm: a world ``Comm`` for barriers and sharing rank 0's checks (the trainer's metrics comm).
+        keep_last: committed checkpoints to keep (>= 1).
+        async_save: write in a background thread; :meth:`save` returns once the state is staged (copied).
+        verify: record SHA-256 of every file at commit and check it before loading.
+    """
+
+    def __init__(self, directory: str | os.PathLike, comm: Comm, *, keep_last: int = 2, async_save: bool = False,
+                 verify: bool = True) -> None:
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+            raise ValueError(f"checkpoint.keep_last must be an integer >= 1, got {keep_last!r}")
+        self.directory = Path(directory)
+        self.comm = comm
+        self.keep_last = keep_last
+        self.async_save = bool(async_save)
+        self.verify = bool(verify)
+        self._pending: tuple[Future, int, Path, dict[str, Any]] | None = None
+        self._async_group = None
+        if self.async_save and _distributed() and dist.get_world_size() > 1:
+            # DCP's background thread runs its own collectives; a separate group keeps them from
+            # interleaving with the training collectives of the main thread.
+            self._async_group = dist.new_group(backend="gloo")
+        self.last_save_s = 0.0
+
+    # -- save ---------------------------------------------------------------------------------------
+
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
+        """Collective: write ``state`` as checkpoint ``step-<step>`` and commit it (async: commit later)."""
+        self.wait()
+        t0 = time.perf_counter()
+        tmp = self.directory / f"{TMP_PREFIX}{step}"
+        if self.comm.rank == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        self.comm.barrier(tag="ckpt")
+        meta = dict(meta, step=step, format=FORMAT_VERSION)
+        if self.async_save:
+            fut = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group,
+                                 no_dist=not _distributed())
+            self._pending = (fut, step, tmp, meta)
+        else:
+            with _quiet_single_process():
+                dcp.save(state, checkpoint_id=str(tmp), no_dist=not _distributed())
+            self._commit(step, tmp, meta)
+        self.last_save_s = time.perf_counter() - t0
+
+    def wait(self) -> None:
+        """Collective: finish and commit an in-flight async save (no-op when none)."""
+        if self._pending is None:
+            return
+        fut, step, tmp, meta = self._pending
+        self._pending = None
+        fut.result()
+        self._commit(step, tmp, meta)
+
+    def _commit(self, step: int, tmp: Path, meta: dict[str, Any]) -> None:
+        """Every rank has written its part of ``tmp``: rank 0 writes the marker and renames atomically."""
+        self.comm.barrier(tag="ckpt")
+        if self.comm.rank == 0:
+            files = {}
+            for f in sorted(tmp.iterdir()):
+                if f.is_file() and f.name != MARKER:
+                    files[f.name] = {"size": f.stat().st_size, "sha256": _sha256(f) if self.verify else ""}
+            if ".metadata" not in files:
+                raise CheckpointError(f"checkpoint save into {str(tmp)!r} produced no DCP .metadata")
+            meta = dict(meta, files=files, saved_at=time.time())
+            part = tmp / (MARKER + ".part")
+            with part.open("w") as fh:
+                json.dump(meta, fh, indent=1, sort_keys=True)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(part, tmp / MARKER)
+            _fsync_dir(tmp)
+            final = self.directory / f"{STEP_PREFIX}{step}"
+            old = self.directory / f"{OLD_PREFIX}{step}"
+            if final.exists():  # re-saving a step (e.g. a resumed run ending where it started)
+                if old.exists():
+                    shutil.rmtree(old)
+                os.replace(final, old)
+            os.replace(tmp, final)
+            _fsync_dir(self.directory)
+            if old.exists():
+                shutil.rmtree(old, ignore_errors=True)
+            self._prune()
+        self.comm.barrier(tag="ckpt")
+
+    def _prune(self) -> None:
+        """Rank 0: keep the newest ``keep_last`` committed checkpoints; drop stale temporary folders."""
+        for c in list_checkpoints(self.directory)[:-self.keep_last]:
+            shutil.rmtree(c.path, ignore_errors=True)
+        for child in self.directory.iterdir():
+            if child.is_dir() and (child.name.startswith(TMP_PREFIX) or child.name.startswith(OLD_PREFIX)):
+                shutil.rmtree(child, ignore_errors=True)
+
+    def close(self) -> None:
+        """Collective: commit any in-flight async save."""
+        self.wait()
+
+    # -- load ---------------------------------------------------------------------------------------
+
+    def inspect(self, path: str | os.PathLike | None) -> CheckpointInfo | None:
+        """Collective: rank 0 resolves ``path`` (``None`` = the latest in the directory) and verifies its
+        files; every rank gets the same :class:`CheckpointInfo` (or ``None`` when there is none) or the
+        same :class:`CheckpointError`."""
+        result: tuple[str, Any]
+        if self.comm.rank == 0:
+            try:
+                if path is None:
+                    info = latest_checkpoint(self.directory)
+                else:
+                    p = Path(path)
+                    meta = read_marker(p)
+                    info = CheckpointInfo(p, int(meta["step"]), meta)
+                if info is not None:
+                    verify_files(info.path, info.meta, hashes=self.verify)
+                result = ("ok", None if info is None else (str(info.path), info.step, info.meta))
+            except CheckpointError as e:
+                result = ("error", str(e))
+        else:
+            result = ("ok", None)
+        shared = self.comm.all_gather_object(result, tag="ckpt")[0]
+        if shared[0] == "error":
+            raise CheckpointError(shared[1])
+        if shared[1] is None:
+            return None
+        p, step, meta = shared[1]
+        return CheckpointInfo(Path(p), step, meta)
+
+    def load(self, info: CheckpointInfo, state: dict[str, Any]) -> None:
+        """Collective: fill ``state`` in place from checkpoint ``info`` (DCP reshards as needed).
+
+        Raises:
+            CheckpointError: DCP could not read it (on every rank: DCP propagates a failure of any rank).
+        """
+        try:
+            with _quiet_single_process():
+                dcp.load(state, checkpoint_id=str(info.path), no_dist=not _distributed())
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise CheckpointError(f"checkpoint {str(info.path)!r} could not be loaded: {type(e).__name__}: "
+                                  f"{first[:500]}") from e
+
+
+# --------------------------------------------------------------------------------------------------
+# The trainer's glue: what goes into the checkpoint and when.
+
+def rng_state() -> dict[str, Any]:
+    """This process's torch, numpy, python (and CUDA) RNG states."""
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def default_checkpoint_dir(cfg: Config) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.run.out_dir) / cfg.run.name / "checkpoint"
+
+
+class TrainCheckpointer:
+    """Checkpoint/resume for :func:`lowband.train.trainer.train`, driven by the ``[checkpoint]`` config.
+
+    Saves every ``checkpoint.every`` steps and at the end (when ``every > 0``); resumes from the latest
+    committed checkpoint (``resume = "latest"``, only when ``every > 0``), an explicit ``step-<N>`` path,
+    or not at all (``"none"``).
+
+    Args:
+        cfg, env: the run's config and environment.
+        strategy: provides ``state_dict``/``load_state_dict``/``checkpoint_format``/``param_shapes``.
+        scheduler: the LR scheduler (its ``state_dict`` is saved; its lambdas come from the config).
+        loader: the training ``DistributedLoader`` (its position is saved).
+        guard: the non-finite guard (its counters are saved).
+    """
+
+    def __init__(self, cfg: Config, env: DistEnv, strategy: Strategy, scheduler: Any, loader: Any,
+                 guard: NonFiniteGuard | None = None) -> None:
+        self.cfg, self.env, self.strategy = cfg, env, strategy
+        self.scheduler, self.loader, self.guard = scheduler, loader, guard
+        c = cfg.checkpoint
+        self.every = c.every
+        self.directory = default_checkpoint_dir(cfg)
+        self.wants_resume = c.resume != "none" and (c.resume != "latest" or c.every > 0)
+        self.active = c.every > 0 or self.wants_resume
+        self.manager: CheckpointManager | None = None
+        if self.active:
+            if strategy.checkpoint_format() is None:
+                raise CheckpointError(f"strategy {strategy.name!r} does not implement checkpoints yet "
+                                      "(Strategy.checkpoint_format() is None; see docs/checkpoints.md); set "
+                                      "checkpoint.every = 0 and checkpoint.resume = none")
+            self.manager = CheckpointManager(self.directory, env.metrics_comm, keep_last=c.keep_last,
+                                             async_save=c.async_save, verify=c.verify)
+        self.resumed_from: CheckpointInfo | None = None
+
+    def expected_meta(self) -> dict[str, Any]:
+        """What this run would write into a marker (and requires of a checkpoint it loads)."""
+        cfg = self.cfg
+        return {"strategy": self.strategy.name, "state_format": self.strategy.checkpoint_format(),
+                "model": dataclasses.asdict(cfg.model), "dtype": cfg.run.dtype,
+                "params": {k: [list(s), d] for k, (s, d) in self.strategy.param_shapes().items()},
+                "global_batch": cfg.data.batch_size * self.env.world_size, "world_size": self.env.world_size,
+                "torch": torch.__version__}
+
+    def _state(self, rng_rank: int, trainer_blob: bytes = b"", rng_blob: bytes = b"") -> dict[str, Any]:
+        return {"strategy": self.strategy.state_dict(), "trainer": trainer_blob,
+                f"rng_rank{rng_rank}": rng_blob}
+
+    def save(self, step: int) -> None:
+        """Collective: checkpoint the state after ``step`` optimizer steps."""
+        assert self.manager is not None
+        trainer = {"step": step, "scheduler": self.scheduler.state_dict(), "loader": self.loader.state_dict(),
+                   "guard": self.guard.state_dict() if self.guard is not None else None}
+        state = self._state(self.env.rank, pickle.dumps(trainer), pickle.dumps(rng_state()))
+        self.manager.save(step, state, self.expected_meta())
+
+    def due(self, step: int, final: bool) -> bool:
+        """Whether to save after ``step`` steps (``final``: the run ends or stops here)."""
+        return self.every > 0 and (final or step % self.every == 0)
+
+    def resume(self) -> int:
+        """Collective: load the configured checkpoint if any; return the step to continue from (0 = fresh)."""
+        if not self.wants_resume or self.manager is None:
+            return 0
+        c = self.cfg.checkpoint
+        info = self.manager.inspect(None if c.resume == "latest" else c.resume)
+        if info is None:
+            return 0
+        diffs = describe_mismatch(info.meta, self.expected_meta())
+        if diffs:
+            raise CheckpointError(f"checkpoint {str(info.path)!r} does not match this run: " + "; ".join(diffs))
+        saved_world = int(info.meta.get("world_size", 1))
+        self.strategy.prepare_resume()
+        state = self._state(self.env.rank % saved_world)
+        self.manager.load(info, state)
+        self.strategy.load_state_dict(state["strategy"])
+        trainer = pickle.loads(state["trainer"])
+        self.scheduler.load_state_dict(trainer["scheduler"])
+        self.loader.load_state_dict(trainer["loader"])
+        if self.guard is not None and trainer.get("guard") is not None:
+            self.guard.load_state_dict(trainer["guard"])
+        set_rng_state(pickle.loads(state[f"rng_rank{self.env.rank % saved_world}"]))
+        if int(trainer["step"]) != info.step:
+            raise CheckpointError(f"checkpoint {str(info.path)!r} is corrupt: folder step {info.step} but saved "
+                                  f"trainer step {trainer['step']}")
+        self.resumed_from = info
+        return info.step
+
+    def close(self) -> None:
+        """Collective: commit an in-flight async save."""
+        if self.manager is not None:
+            self.manager.close()
