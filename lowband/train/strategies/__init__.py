@@ -16,6 +16,8 @@ _MODULES = (
     "lowband.train.strategies.ddp",
     "lowband.train.strategies.diloco",
     "lowband.train.strategies.gtp",
+    "lowband.train.strategies.sharded",
+    "lowband.train.strategies.tp",
 )
 _loaded = False
 

@@ -1,18 +1,23 @@
-"""``gtp``: generalized tensor parallelism (every ``nn.Linear`` weight sharded over a GTP group).
+"""``gtp``: generalized tensor parallelism (every ``nn.Linear`` and plain ``nn.Embedding`` weight
+sharded by rows over a GTP group).
 
 Mesh: ``dp x gtp`` with ``gtp = strategy.gtp_size`` (0 = whole world) and ``dp = world / gtp``
 (:func:`lowband.parallel.mesh.build_mesh`). Every rank is a data lane (its own slice of each batch).
 
-Communication per microbatch (GTP group, see :mod:`lowband.parallel.gtp`): one all-gather per linear
-weight in forward (prefetched one ahead), one in backward, one async reduce-scatter of its wgrad
-(pre-scaled by 1/gtp), drained at the end of backward. Per step, after the last microbatch:
-one coalesced all-reduce (avg) of the replicated parameters' grads (embeddings, norms) over the GTP
-group (tag ``gtp:replicated``), then, if ``dp > 1``, one coalesced all-reduce (avg) of every grad
-over the DP group (tag ``grad``). Clipping: one scalar all-reduce over the GTP group (``gtp:norm``).
+Communication per microbatch (GTP group, see :mod:`lowband.parallel.gtp`): one all-gather per sharded
+weight in forward (prefetched one ahead), one in backward (not for the token embedding, whose wgrad
+is a scatter-add), one async reduce-scatter of its wgrad (pre-scaled by 1/gtp), drained at the end
+of backward. Per step, after the last microbatch: one coalesced all-reduce (avg) of the replicated
+parameters' grads (norms, other embeddings) over the GTP group (tag ``gtp:replicated``), then, if
+``dp > 1``, one coalesced all-reduce (avg) of every grad over the DP group (tag ``grad``). Clipping:
+one scalar all-reduce over the GTP group (``gtp:norm``).
 
-State per rank: ``1/gtp`` of every linear weight (tail-padded rows), its grad and its AdamW moments;
+State per rank: ``1/gtp`` of every sharded weight (tail-padded rows), its grad and its AdamW moments;
 the replicated parameters whole. Optimizer: torch AdamW (elementwise, so AdamW on a shard equals
 AdamW on the full tensor).
+
+Checkpoints: saved gathered, in logical shapes, with the keys of ``single``/``ddp`` (format
+``replicated``), so they reshard to any GTP degree and are interchangeable with those strategies.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from lowband.parallel.gtp import (
     GTPRuntime,
     is_gtp_param,
     reduce_grads,
+    shard_embeddings,
     shard_linears,
     sync_replicated_grads,
 )
@@ -71,6 +77,7 @@ class GTPStrategy(Strategy):
                                   fp8_block=BlockSpec(s.gtp_fp8_block, s.gtp_fp8_block),
                                   finalize_depth=s.gtp_finalize_depth,
                                   grad_wire_dtype=_WIRE[s.grad_wire_dtype])
+        shard_embeddings(model, self.runtime)
         shard_linears(model, self.runtime)
         self.model = model
         o = self.cfg.optim
@@ -104,6 +111,68 @@ class GTPStrategy(Strategy):
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             torch._foreach_mul_([p.grad for p in params], coef.to(params[0].dtype))
         return float(norm)
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def checkpoint_format(self) -> str | None:
+        """``"replicated"``: the state is saved gathered, in the logical (unpadded) shapes and under the
+        same keys as ``single``/``ddp``, so a GTP checkpoint loads at any GTP degree and into those
+        strategies, and theirs into GTP."""
+        return "replicated"
+
+    def _gtp_fqns(self) -> dict[str, Any]:
+        return {n: p.gtp for n, p in self.model.named_parameters() if is_gtp_param(p)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """``get_state_dict`` of the sharded model with every GTP shard (and its AdamW moments) replaced
+        by the gathered logical tensor (one all-gather each, tag ``gtp:state``; transiently every rank
+        holds the full weights and moments)."""
+        sd = super().state_dict()
+        rt = self.runtime
+        for fqn, gw in self._gtp_fqns().items():
+            sd["model"][fqn] = rt.full_weight(gw)
+            for k in ("exp_avg", "exp_avg_sq"):
+                key = f"state.{fqn}.{k}"
+                if key in sd["optim"]:
+                    sd["optim"][key] = self._gather_like(gw, sd["optim"][key])
+        return sd
+
+    def _gather_like(self, gw: Any, shard: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(gw.padded_out, gw.in_features, dtype=shard.dtype, device=shard.device)
+        self.runtime.comm.all_gather(out, shard.contiguous(), tag="gtp:state")
+        return out[: gw.out_features].clone()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Slice every logical GTP tensor back into this rank's padded shard, then load as usual."""
+        model_sd, optim_sd = dict(state["model"]), dict(state["optim"])
+        for fqn, gw in self._gtp_fqns().items():
+            model_sd[fqn] = self._shard_of(gw, model_sd[fqn])
+            for k in ("exp_avg", "exp_avg_sq"):
+                key = f"state.{fqn}.{k}"
+                if key in optim_sd:
+                    optim_sd[key] = self._shard_of(gw, optim_sd[key])
+        super().load_state_dict({"model": model_sd, "optim": optim_sd})
+
+    @staticmethod
+    def _shard_of(gw: Any, full: torch.Tensor) -> torch.Tensor:
+        if tuple(full.shape) != (gw.out_features, gw.in_features):
+            raise ValueError(f"GTP checkpoint: {gw.name} has shape {tuple(full.shape)}, expected "
+                             f"({gw.out_features}, {gw.in_features})")
+        shard = torch.zeros(gw.shard_rows, gw.in_features, dtype=full.dtype, device=full.device)
+        lo = gw.runtime.rank * gw.shard_rows
+        hi = min(lo + gw.shard_rows, gw.out_features)
+        if hi > lo:
+            shard[: hi - lo].copy_(full[lo:hi])
+        return shard
+
+    def param_shapes(self) -> dict[str, tuple[list[int], str]]:
+        shapes = super().param_shapes()
+        for fqn, gw in self._gtp_fqns().items():
+            shapes[fqn] = ([gw.out_features, gw.in_features], shapes[fqn][1])
+        return shapes
+
+    def skip_step(self) -> None:
+        self.runtime.finalize_all()
+        super().skip_step()
 
     def log_extras(self) -> dict[str, Any]:
         hw = self.runtime.cache.high_water

@@ -1,0 +1,101 @@
+"""TP x GTP: Megatron tensor-parallel linears whose TP-local weight is GTP-sharded on dim 0.
+
+Two cuts, as in Megatron-Core GTP (reference/gtp.md §1.2):
+
+* :class:`GTPColumnParallelLinear`: TP cuts the output features (rank ``t`` holds rows
+  ``[t*out/T, (t+1)*out/T)`` of the dense weight), GTP cuts that TP-local ``[out/T, in]`` weight again
+  on dim 0 (both cuts on ``out``). The TP-local bias is replicated over GTP.
+* :class:`GTPRowParallelLinear`: TP cuts the input features (``[out, in/T]`` per TP rank), GTP cuts
+  the output features of that slice (the cuts are perpendicular). The bias is replicated.
+
+Communication: the TP collectives are those of :mod:`lowband.parallel.tensor` (column: all-reduce of
+``dX`` over TP in backward; row: all-reduce of the partial output over TP in forward); the GTP
+collectives are those of :mod:`lowband.parallel.gtp` on the TP-local weight (gather just in time,
+prefetch, async reduce-scatter of the wgrad over the GTP group). Data lanes: TP peers see the same
+microbatch, GTP peers different ones (``lane = rank // TP``, :mod:`lowband.parallel.mesh`).
+Replicated biases: average their grads over the GTP group (:func:`~lowband.parallel.gtp.sync_replicated_grads`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lowband.comm import Comm
+from lowband.parallel.gtp import GTPLinear, GTPRuntime
+from lowband.parallel.tensor import _CopyToTP, _GatherFromTP, _ReduceFromTP, _ScatterToTP
+
+
+def _check_tp_split(what: str, features: int, size: int) -> None:
+    if features % size:
+        raise ValueError(f"{what}={features} is not divisible by the TP group size {size}")
+
+
+class GTPColumnParallelLinear(nn.Module):
+    """Column-parallel linear (TP on ``out``) with its TP-local weight GTP-sharded (also on ``out``).
+
+    Args:
+        linear: the dense ``nn.Linear`` (same values on every rank).
+        tp_comm: the TP group.
+        runtime: the GTP runtime (its comm is the GTP group).
+        gather_output: all-gather the TP output slices (else return this rank's slice).
+        name: weight name for logs and errors.
+    """
+
+    def __init__(self, linear: nn.Linear, tp_comm: Comm, runtime: GTPRuntime, *,
+                 gather_output: bool = False, name: str = "") -> None:
+        super().__init__()
+        n, r = tp_comm.size, tp_comm.rank
+        _check_tp_split("GTPColumnParallelLinear: out_features", linear.out_features, n)
+        self.tp_comm, self.gather_output = tp_comm, gather_output
+        local = nn.Linear(linear.in_features, linear.out_features // n, bias=linear.bias is not None,
+                          dtype=linear.weight.dtype, device=linear.weight.device)
+        with torch.no_grad():
+            local.weight.copy_(linear.weight.chunk(n, 0)[r])
+            if linear.bias is not None:
+                local.bias.copy_(linear.bias.chunk(n, 0)[r])
+        self.inner = GTPLinear.from_linear(local, runtime, name=name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_comm.size > 1:
+            x = _CopyToTP.apply(x, self.tp_comm)
+        y = self.inner(x)
+        if self.gather_output and self.tp_comm.size > 1:
+            y = _GatherFromTP.apply(y, self.tp_comm)
+        return y
+
+
+class GTPRowParallelLinear(nn.Module):
+    """Row-parallel linear (TP on ``in``) with its TP-local ``[out, in/T]`` weight GTP-sharded on ``out``.
+
+    Args:
+        linear: the dense ``nn.Linear`` (same values on every rank).
+        tp_comm: the TP group.
+        runtime: the GTP runtime.
+        input_is_parallel: the input is already this TP rank's slice of the input features.
+        name: weight name for logs and errors.
+    """
+
+    def __init__(self, linear: nn.Linear, tp_comm: Comm, runtime: GTPRuntime, *,
+                 input_is_parallel: bool = True, name: str = "") -> None:
+        super().__init__()
+        n, r = tp_comm.size, tp_comm.rank
+        _check_tp_split("GTPRowParallelLinear: in_features", linear.in_features, n)
+        self.tp_comm, self.input_is_parallel = tp_comm, input_is_parallel
+        local = nn.Linear(linear.in_features // n, linear.out_features, bias=False,
+                          dtype=linear.weight.dtype, device=linear.weight.device)
+        with torch.no_grad():
+            local.weight.copy_(linear.weight.chunk(n, 1)[r])
+        self.inner = GTPLinear.from_linear(local, runtime, name=name)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.tp_comm.size
+        if not self.input_is_parallel and n > 1:
+            x = _ScatterToTP.apply(x, self.tp_comm)
+        y = self.inner(x)
+        if n > 1:
+            y = _ReduceFromTP.apply(y, self.tp_comm)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
