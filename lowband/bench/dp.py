@@ -126,8 +126,26 @@ class StrategyContender:
         return Contender(self.label, step, strategy.optimizer_state_bytes, resident, wire)
 
 
+def _lazy(module: str, factory: str) -> Callable[[Config, DistEnv, Batches], Contender]:
+    def make(cfg: Config, env: DistEnv, batches: Batches) -> Contender:
+        import importlib
+
+        return getattr(importlib.import_module(module), factory)(cfg, env, batches)
+    return make
+
+
 CONTENDERS: dict[str, Callable[[Config, DistEnv, Batches], Contender]] = {
     "ddp": StrategyContender("ddp"),
+    "ddp-bf16": StrategyContender("ddp", "ddp-bf16", {"strategy": {"grad_wire_dtype": "bfloat16"}}),
+    "sharded-adamw": StrategyContender("sharded-adamw"),
+    "sharded-adamw-bf16": StrategyContender("sharded-adamw", "sharded-adamw-bf16",
+                                            {"strategy": {"grad_wire_dtype": "bfloat16"}}),
+    "sharded-adamw-bf16all": StrategyContender("sharded-adamw", "sharded-adamw-bf16all",
+                                               {"strategy": {"grad_wire_dtype": "bfloat16",
+                                                             "param_wire_dtype": "bfloat16"}}),
+    "sharded-muon": StrategyContender("sharded-muon"),
+    "zero": _lazy("lowband.bench.dp_torch", "zero_contender"),
+    "fsdp2": _lazy("lowband.bench.dp_torch", "fsdp2_contender"),
 }
 
 

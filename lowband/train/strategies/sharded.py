@@ -1,0 +1,96 @@
+"""``sharded-adamw`` and ``sharded-muon``: ZeRO-style sharded data parallelism through
+:class:`lowband.optim.ShardedOptimizer` (no DDP wrapper).
+
+Communication: per bucket, an async reduce-scatter of the gradients launched from backward hooks
+(``strategy.grad_wire_dtype``), the owner's update of its slice, an async all-gather of the updated
+slice (``strategy.param_wire_dtype``) that the next forward waits for per bucket (forward pre-hooks);
+one scalar all-reduce for the global gradient norm. All of it through ``env.comm`` (counted in the
+ledger).
+State: every rank holds full parameters and local gradients, plus AdamW moments (and, for Muon,
+momentum) of its 1/N slice only.
+Gradient accumulation: non-final microbatches run under ``optimizer.no_sync()``.
+
+``sharded-muon`` gives the 2-D hidden matrices (attention qkv/proj, MLP fc/proj) to Muon at
+``optim.muon_lr`` / ``optim.muon_momentum`` (NS5 in bf16, Nesterov) and everything else (token and
+bigram embeddings, ``lm_head``, norms) to AdamW at ``optim.lr``. The LR schedule scales both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from lowband.optim import ShardedOptimizer, split_params_for_muon
+from lowband.train.optimizers import adamw_param_groups
+from lowband.train.strategies import register_strategy
+from lowband.train.strategies.base import Strategy
+
+# "float32" in the config means "as stored, uncompressed" (as for ddp); "bfloat16" compresses.
+_WIRE = {"float32": None, "bfloat16": torch.bfloat16}
+
+
+class _ShardedBase(Strategy):
+    optimizer: ShardedOptimizer
+
+    def _groups(self, model: nn.Module) -> list[dict]:
+        raise NotImplementedError
+
+    def setup(self, model: nn.Module) -> None:
+        self.model = model
+        o, s = self.cfg.optim, self.cfg.strategy
+        self.optimizer = ShardedOptimizer(
+            self._groups(model), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+            momentum=o.muon_momentum, comm=self.env.comm, bucket_mb=s.bucket_mb,
+            grad_wire_dtype=_WIRE[s.grad_wire_dtype], param_wire_dtype=_WIRE[getattr(s, "param_wire_dtype", "float32")],
+            module=model, param_gather="forward")
+
+    @contextlib.contextmanager
+    def microbatch(self, last: bool) -> Iterator[None]:
+        if last:
+            yield
+        else:
+            with self.optimizer.no_sync():
+                yield
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Norm of the averaged gradient from the owned shards (one scalar all-reduce); clips if > 0."""
+        return float(self.optimizer.clip_grad_norm(max_norm if max_norm > 0 else float("inf")))
+
+    def optimizer_state_bytes(self) -> int:
+        return self.optimizer.state_bytes()
+
+    def persistent_buffer_bytes(self) -> int:
+        """Flat gradient buffers and reduced gradient shards (parameters live in the flat parameter
+        buffers, so they are already counted as parameters)."""
+        return sum(u.grad_buf.numel() * u.grad_buf.element_size()
+                   + u.grad_shard.numel() * u.grad_shard.element_size() for u in self.optimizer._units)
+
+    def unwrapped(self) -> nn.Module:
+        self.optimizer.wait_for_params()
+        return self.model
+
+
+@register_strategy("sharded-adamw")
+class ShardedAdamWStrategy(_ShardedBase):
+    def _groups(self, model: nn.Module) -> list[dict]:
+        return [dict(g, algorithm="adamw") for g in adamw_param_groups(model, self.cfg.optim.weight_decay)]
+
+
+@register_strategy("sharded-muon")
+class ShardedMuonStrategy(_ShardedBase):
+    def _groups(self, model: nn.Module) -> list[dict]:
+        o = self.cfg.optim
+        muon, adam = split_params_for_muon(model)
+        muon = [p for p in muon if p.requires_grad]
+        muon_ids = {id(p) for p in muon}
+        groups: list[dict] = []
+        if muon:
+            groups.append({"params": muon, "algorithm": "muon", "lr": o.muon_lr, "momentum": o.muon_momentum,
+                           "nesterov": True, "weight_decay": o.weight_decay, "ns_method": "ns5",
+                           "ns_steps": 5, "ns_dtype": torch.bfloat16})
+        rest = nn.ParameterList([p for p in adam if id(p) not in muon_ids])
+        groups += [dict(g, algorithm="adamw") for g in adamw_param_groups(rest, o.weight_decay)]
+        return groups
