@@ -58,7 +58,8 @@ class CommHandle:
     """
 
     def __init__(self, record: CommRecord, works: Sequence[dist.Work], t0: float,
-                 finish: Callable[[], None] | None, result: torch.Tensor | None) -> None:
+                 finish: Callable[[], None] | None, result: torch.Tensor | None,
+                 finish_issues_collectives: bool = False) -> None:
         self.record = record
         self._works = list(works)
         self._t0 = t0
@@ -66,6 +67,7 @@ class CommHandle:
         self._result = result
         self._done = False
         self._lock = threading.Lock()
+        self._chained = finish_issues_collectives
 
     def wait(self) -> torch.Tensor | None:
         if not self._done:
@@ -91,9 +93,11 @@ class CommHandle:
         """A ``torch.futures.Future`` resolving to the result (for DDP communication hooks).
 
         The post-processing runs in the future's callback (on the backend's thread), never
-        ``Work.wait()`` there: waiting on a work from its own completion callback deadlocks.
+        ``Work.wait()`` there: waiting on a work from its own completion callback deadlocks. A handle
+        whose post-processing issues further collectives (the two-phase narrow-wire all-reduce) is
+        completed here, on the caller's thread, and returns an already completed future.
         """
-        if not self._done and len(self._works) == 1:
+        if not self._done and len(self._works) == 1 and not self._chained:
             def on_done(_fut: torch.futures.Future) -> torch.Tensor | None:
                 self._complete()
                 return self._result
@@ -280,7 +284,8 @@ class Comm:
             if flat.data_ptr() != tensor.data_ptr():
                 tensor.copy_(flat.view_as(tensor))
 
-        return self._finish_handle(CommHandle(rec, [work], t0, finish, tensor), async_op)
+        return self._finish_handle(CommHandle(rec, [work], t0, finish, tensor, finish_issues_collectives=True),
+                                   async_op)
 
     # --------------------------------------------------------------------------- reduce_scatter
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *,

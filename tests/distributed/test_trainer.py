@@ -70,3 +70,18 @@ def test_single_run_writes_run_directory(shard: str, tmp_path: Path) -> None:
 
 def _train_in_dir(cfg: Config) -> str:
     return str(train(cfg, log=False).run_dir)
+
+
+@pytest.mark.parametrize("world", [2])
+def test_ddp_bf16_wire_hook_runs_and_counts_bf16_bytes(shard: str, world: int) -> None:
+    cfg = tiny_config(shard, world, "ddp", 2)
+    cfg.run.dtype, cfg.run.steps = "float32", 2
+    cfg.strategy.grad_wire_dtype = "bfloat16"
+    out = run_ranks(_train_and_return_params, world, cfg, timeout=120)
+    ref = run_ranks(_train_and_return_params, 1, tiny_config(shard, 1, "single", 2 * world))[0]
+    nparams = sum(v.numel() for v in ref["params"].values())
+    for rank_out in out:
+        # bf16 all-reduce as RS + AG: 2(N-1)/N of the bf16 bucket bytes (the bucket is padded to N)
+        assert all(abs(w - nparams * 2) <= 2 * world for w in rank_out["wire"])
+    for k in ref["params"]:
+        assert torch.equal(out[0]["params"][k], out[1]["params"][k])  # replicas stay identical
