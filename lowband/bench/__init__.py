@@ -12,4 +12,5 @@ SUITES: dict[str, str] = {
     "diloco": "lowband.bench.diloco",
     "gtp": "lowband.bench.gtp",
     "rekls": "lowband.bench.rekls",
+    "sparse": "lowband.bench.sparse",
 }

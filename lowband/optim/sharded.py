@@ -68,6 +68,7 @@ from lowband.optim.buckets import (
     plan_muon_units,
 )
 from lowband.optim.muon import muon_update_, validate_muon_hparams
+from lowband.optim.sparse_rows import SparseTable, SparseTableUnit, plan_row_units, validate_sparse_tables
 
 ALGORITHMS = ("adamw", "muon")
 PARAM_GATHER = ("step", "forward")
@@ -134,6 +135,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with the bf16-rounded values (modded-nanogpt's bf16 weights with fp32 master, PR #190).
         module: the model; needed for ``param_gather="forward"``.
         param_gather: ``"step"`` or ``"forward"`` (when the next forward waits for the all-gathers).
+        sparse_tables: :class:`lowband.optim.sparse_rows.SparseTable` entries (2-D AdamW parameters):
+            each becomes a row-aligned unit whose gradient reduce-scatter is the row-sparse exchange
+            of :mod:`lowband.comm.sparse` (see :meth:`observe_tokens`, docs/sparse.md).
+        sparse_mode: ``"auto"`` | ``"sparse"`` | ``"dense"`` for those tables.
+        sparse_count_comm: gloo :class:`Comm` for their count all-gather (default ``comm``).
 
     Raises:
         ValueError: bad hyperparameters, a parameter in two groups, ``bucket_mb <= 0``, Muon on a
@@ -147,7 +153,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  ns_dtype: torch.dtype = torch.bfloat16, comm: Comm | None = None, bucket_mb: float = 25.0,
                  grad_wire_dtype: torch.dtype | str | None = None,
                  param_wire_dtype: torch.dtype | str | None = None, module: nn.Module | None = None,
-                 param_gather: str = "step") -> None:
+                 param_gather: str = "step", sparse_tables: Iterable[SparseTable] = (),
+                 sparse_mode: str = "auto", sparse_count_comm: Comm | None = None) -> None:
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0 \
                 or not math.isfinite(bucket_mb):
             raise ValueError(f"ShardedOptimizer: bucket_mb must be a positive number of MiB "
@@ -171,6 +178,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"ShardedOptimizer: algorithm={algorithm!r} is not allowed; "
                              f"allowed: {list(ALGORITHMS)}")
+        sparse_tables = list(sparse_tables)
+        validate_sparse_tables(sparse_tables, sparse_mode, "ShardedOptimizer")
         groups = self._normalize_groups(params)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, algorithm=algorithm,
                         momentum=momentum, nesterov=nesterov, ns_method=ns_method, ns_steps=ns_steps,
@@ -192,24 +201,39 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         for gi, g in enumerate(self.param_groups) for p in g["params"]],
                        [repr(sorted((k, repr(v)) for k, v in g.items() if k != "params"))
                         for g in self.param_groups],
-                       self.bucket_mb, str(grad_wire_dtype), str(param_wire_dtype), param_gather)
+                       self.bucket_mb, str(grad_wire_dtype), str(param_wire_dtype), param_gather,
+                       [(t.name, tuple(t.param.shape), t.hash, t.vocab_size) for t in sparse_tables], sparse_mode)
         self.comm.agree(fingerprint, "ShardedOptimizer parameters (group, algorithm, shape, dtype, "
                                      "requires_grad) and settings")
 
         n = self.comm.size
         cap = max(1, int(self.bucket_mb * 2**20))
-        adam_specs, muon_specs = [], []
+        adam_specs, muon_specs, row_specs = [], [], []
+        table_of = {id(t.param): t for t in sparse_tables}
         idx = 0
         for gi, g in enumerate(self.param_groups):
             for p in g["params"]:
+                if id(p) in table_of and (g["algorithm"] != "adamw" or not p.requires_grad):
+                    raise ValueError(f"ShardedOptimizer: sparse table {table_of[id(p)].name!r} must be a "
+                                     "trainable parameter of an algorithm='adamw' group")
                 if p.requires_grad:
                     spec = ParamSpec(idx, gi, tuple(p.shape), p.dtype, p.device)
-                    (muon_specs if g["algorithm"] == "muon" else adam_specs).append(spec)
+                    (row_specs if id(p) in table_of else muon_specs if g["algorithm"] == "muon"
+                     else adam_specs).append(spec)
                 idx += 1
-        layouts = plan_adamw_buckets(adam_specs, n, cap) + plan_muon_units(muon_specs, n, cap)
+        if len(row_specs) != len(sparse_tables):
+            raise ValueError("ShardedOptimizer: every sparse table must be one of the optimizer's parameters")
+        layouts = (plan_adamw_buckets(adam_specs, n, cap) + plan_muon_units(muon_specs, n, cap)
+                   + plan_row_units(row_specs, n))
         layouts = order_units(layouts)
         self._layout_id = layout_id(layouts)
         self._units = [_Unit(lay, [all_params[m.index] for m in lay.members]) for lay in layouts]
+        self._sparse: dict[int, SparseTableUnit] = {}
+        for ui, unit in enumerate(self._units):
+            t = table_of.get(id(unit.params[0])) if len(unit.params) == 1 else None
+            if t is not None:
+                self._sparse[ui] = SparseTableUnit(t, self.comm, count_comm=sparse_count_comm, mode=sparse_mode,
+                                                   wire_dtype=grad_wire_dtype)
         self._next_launch = 0
         self._gathers: dict[int, CommHandle] = {}
         self._hooks: list[Any] = []
@@ -325,8 +349,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         unit = self._units[ui]
         assert ui == self._next_launch and not unit.launched
         wire = self.grad_wire_dtype or unit.layout.dtype
-        unit.rs = self.comm.reduce_scatter(unit.grad_shard, unit.grad_buf, op="avg", wire_dtype=wire,
-                                           async_op=True, tag=f"grad:{unit.layout.kind}")
+        if ui in self._sparse:  # row-sparse exchange of an embedding table (lowband.optim.sparse_rows)
+            m = unit.layout.members[0]
+            unit.rs = self._sparse[ui].launch(unit.grad_shard, unit.grad_buf[:m.numel].view(m.shape))
+        else:
+            unit.rs = self.comm.reduce_scatter(unit.grad_shard, unit.grad_buf, op="avg", wire_dtype=wire,
+                                               async_op=True, tag=f"grad:{unit.layout.kind}")
         unit.launched = True
         self._next_launch += 1
 
@@ -361,6 +389,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _reset_step(self) -> None:
         for unit in self._units:
             unit.reset()
+        for su in self._sparse.values():
+            su.reset()
         self._next_launch = 0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -481,6 +511,29 @@ class ShardedOptimizer(torch.optim.Optimizer):
                      ns_method=group["ns_method"], ns_steps=group["ns_steps"], ns_dtype=group["ns_dtype"])
         if target is not own:
             own.copy_(target)
+
+    # -------------------------------------------------------------------------- sparse tables
+    @property
+    def sparse_units(self) -> dict[str, SparseTableUnit]:
+        """The row-sparse table units by table name."""
+        return {su.table.name: su for su in self._sparse.values()}
+
+    def observe_tokens(self, tokens: torch.Tensor) -> None:
+        """Record this step's host token ids (a batch or one microbatch; call before forward) for the
+        sparse tables' touched rows. No communication."""
+        for su in self._sparse.values():
+            su.observe(tokens)
+
+    def plan_sparse(self) -> None:
+        """Run the count all-gather of every sparse table with observed tokens now (before forward),
+        in unit order; raises the out-of-range-token ``ValueError`` on every rank alike. Optional (the
+        launch does it otherwise); call it on every rank alike."""
+        for su in self._sparse.values():
+            su.plan()
+
+    def sparse_stats(self) -> dict[str, Any]:
+        """Last step's :class:`lowband.comm.sparse.SparseStats` per sparse table (density, bytes, mode)."""
+        return {su.table.name: su.stats for su in self._sparse.values() if su.stats is not None}
 
     # ------------------------------------------------------------------------- introspection
     @property

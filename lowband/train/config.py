@@ -95,6 +95,10 @@ class OptimConfig:
     muon_lr: float = 0.02
     """Peak lr of Muon (hidden matrices) for strategies that use it."""
     muon_momentum: float = 0.95
+    muon_ns_method: str = "ns5"
+    """Muon orthogonalization: ns5 (quintic Newton-Schulz, 3.4445/-4.7750/2.0315) | polar_express."""
+    muon_ns_dtype: str = "auto"
+    """dtype of the orthogonalization: auto (bfloat16 on GPU, float32 on CPU) | bfloat16 | float32 | float64."""
 
 
 @dataclass(kw_only=True)
@@ -120,6 +124,11 @@ class StrategyConfig:
     """strategy tp: tensor-parallel group size (0 = the whole world); must divide run.world_size (rest is DP)."""
     tp_optimizer: str = "rekls"
     """strategy tp: rekls (TP-REKLS on the sharded block matrices, AdamW elsewhere) | adamw."""
+    sparse_embeddings: list[str] = field(default_factory=list)
+    """strategies sharded-*: tables whose gradient travels row-sparse: bigram | tok_emb (docs/sparse.md);
+    other strategies ignore it."""
+    sparse_mode: str = "auto"
+    """strategies sharded-*: sparse tables per step: auto (cheaper in bytes) | sparse | dense."""
 
 
 @dataclass(kw_only=True)
@@ -195,10 +204,13 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "run.dtype": ("float32", "float64", "bfloat16"),
     "data.source": ("builtin", "bin"),
     "optim.schedule": ("cosine", "linear", "constant"),
+    "optim.muon_ns_method": ("ns5", "polar_express"),
+    "optim.muon_ns_dtype": ("auto", "bfloat16", "float32", "float64"),
     "strategy.grad_wire_dtype": ("float32", "bfloat16"),
     "strategy.param_wire_dtype": ("float32", "bfloat16"),
     "strategy.gtp_gather": ("native", "bf16", "fp8"),
     "strategy.tp_optimizer": ("rekls", "adamw"),
+    "strategy.sparse_mode": ("auto", "sparse", "dense"),
 }
 POSITIVE: tuple[str, ...] = (
     "run.steps", "run.log_every", "run.val_batches", "run.world_size", "run.timeout_s",
@@ -365,6 +377,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"model.n_embd / model.n_head = {m.n_embd // m.n_head} must be even (rotary)")
     if m.bigram_rows == 1:
         raise ConfigError("model.bigram_rows must be 0 (off) or >= 2, got 1")
+    for t in cfg.strategy.sparse_embeddings if cfg.strategy.name.startswith("sharded-") else ():
+        if t not in ("bigram", "tok_emb"):
+            raise ConfigError(f"strategy.sparse_embeddings: {t!r} is not allowed; allowed: bigram, tok_emb")
+        if t == "bigram" and m.bigram_rows == 0:
+            raise ConfigError("strategy.sparse_embeddings = ['bigram'] needs model.bigram_rows >= 2")
     if cfg.data.batch_size % cfg.data.grad_accum:
         raise ConfigError(f"data.batch_size ({cfg.data.batch_size}) must be divisible by data.grad_accum "
                           f"({cfg.data.grad_accum})")

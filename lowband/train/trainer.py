@@ -184,6 +184,7 @@ def _train(cfg: Config, env: DistEnv, *, write_run_dir: bool, log: bool, stop_af
     for step in range(start_step, end_step):
         t0 = time.perf_counter()
         x, y = loader.batch(step)
+        strategy.observe_batch(x)
         x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
         for m in range(cfg.data.grad_accum):

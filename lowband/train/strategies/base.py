@@ -83,6 +83,10 @@ class Strategy:
         """Extra per-step metrics for the log line and metrics.jsonl."""
         return {}
 
+    def observe_batch(self, tokens: torch.Tensor) -> None:
+        """Called once per step with the step's host (CPU) input tokens, all microbatches, before they
+        move to the device (sparse embedding comms read their touched rows here). Default: nothing."""
+
     def unwrapped(self) -> nn.Module:
         """The plain model (for evaluation and checkpoints)."""
         return getattr(self.model, "module", self.model)

@@ -11,7 +11,8 @@ momentum) of its 1/N slice only.
 Gradient accumulation: non-final microbatches run under ``optimizer.no_sync()``.
 
 ``sharded-muon`` gives the 2-D hidden matrices (attention qkv/proj, MLP fc/proj) to Muon at
-``optim.muon_lr`` / ``optim.muon_momentum`` (NS5 in bf16, Nesterov) and everything else (token and
+``optim.muon_lr`` / ``optim.muon_momentum`` (Nesterov; ``optim.muon_ns_method`` NS5 or Polar Express,
+run in ``optim.muon_ns_dtype``: by default bf16 on GPU and fp32 on CPU) and everything else (token and
 bigram embeddings, ``lm_head``, norms) to AdamW at ``optim.lr``. The LR schedule scales both.
 """
 
@@ -19,11 +20,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from lowband.optim import ShardedOptimizer, split_params_for_muon
+from lowband.optim.sparse_rows import sparse_tables_for_model
 from lowband.train.optimizers import adamw_param_groups
 from lowband.train.strategies import register_strategy
 from lowband.train.strategies.base import Strategy
@@ -45,7 +48,23 @@ class _ShardedBase(Strategy):
             self._groups(model), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
             momentum=o.muon_momentum, comm=self.env.comm, bucket_mb=s.bucket_mb,
             grad_wire_dtype=_WIRE[s.grad_wire_dtype], param_wire_dtype=_WIRE[getattr(s, "param_wire_dtype", "float32")],
-            module=model, param_gather="forward")
+            module=model, param_gather="forward",
+            sparse_tables=sparse_tables_for_model(model, list(s.sparse_embeddings)), sparse_mode=s.sparse_mode)
+
+    def observe_batch(self, tokens: torch.Tensor) -> None:
+        """Sparse tables: record the step's touched rows and exchange the counts now, before forward."""
+        if self.optimizer.sparse_units:
+            self.optimizer.observe_tokens(tokens)
+            self.optimizer.plan_sparse()
+
+    def log_extras(self) -> dict[str, Any]:
+        """Per sparse table: this step's mode, wire MB and touched-row density (this rank)."""
+        out: dict[str, Any] = {}
+        for name, st in self.optimizer.sparse_stats().items():
+            out[f"{name}_mode"] = st.mode
+            out[f"{name}_mb"] = st.wire_bytes / 1e6
+            out[f"{name}_density"] = st.density
+        return out
 
     @contextlib.contextmanager
     def microbatch(self, last: bool) -> Iterator[None]:
@@ -72,11 +91,43 @@ class _ShardedBase(Strategy):
         self.optimizer.wait_for_params()
         return self.model
 
+    # Checkpoint hooks (docs/checkpoints.md); layout: lowband.train.checkpoint_sharded. skip_step is the
+    # default: ShardedOptimizer.zero_grad waits for every reduce-scatter in flight and resets the units
+    # (clip_grad_norm already waited for the parameter all-gathers), so no shard is half-updated.
+
+    def checkpoint_format(self) -> str | None:
+        s = self.cfg.strategy
+        if (s.param_wire_dtype != "float32" or self.cfg.run.dtype not in ("float32", "float64")
+                or list(s.sparse_embeddings)):
+            return None  # fp32 master copies / sparse-table state are not in the checkpoint layout
+        return f"{self.name}-v1"
+
+    def _ckpt_layout(self):
+        from lowband.train.checkpoint_sharded import ShardedStateLayout
+
+        if getattr(self, "_ckpt", None) is None:
+            self._ckpt = ShardedStateLayout(self.model, self.optimizer)
+        return self._ckpt
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._ckpt_layout().state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._ckpt_layout().load_state_dict(state)
+
 
 @register_strategy("sharded-adamw")
 class ShardedAdamWStrategy(_ShardedBase):
     def _groups(self, model: nn.Module) -> list[dict]:
         return [dict(g, algorithm="adamw") for g in adamw_param_groups(model, self.cfg.optim.weight_decay)]
+
+
+def muon_ns_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bf16 on accelerators (the reference choice), fp32 on CPU, where bf16 matmuls are
+    emulated and several times slower than fp32 ones."""
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}[name]
 
 
 @register_strategy("sharded-muon")
@@ -89,8 +140,8 @@ class ShardedMuonStrategy(_ShardedBase):
         groups: list[dict] = []
         if muon:
             groups.append({"params": muon, "algorithm": "muon", "lr": o.muon_lr, "momentum": o.muon_momentum,
-                           "nesterov": True, "weight_decay": o.weight_decay, "ns_method": "ns5",
-                           "ns_steps": 5, "ns_dtype": torch.bfloat16})
+                           "nesterov": True, "weight_decay": o.weight_decay, "ns_method": o.muon_ns_method,
+                           "ns_steps": 5, "ns_dtype": muon_ns_dtype(o.muon_ns_dtype, self.env.device)})
         rest = nn.ParameterList([p for p in adam if id(p) not in muon_ids])
         groups += [dict(g, algorithm="adamw") for g in adamw_param_groups(rest, o.weight_decay)]
         return groups
