@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lowband.comm.codecs import CODECS
-from lowband.diloco import ScheduleConfig, StreamingDiLoCo, replica_mesh
+from lowband.diloco import StreamingDiLoCo, replica_mesh
 from lowband.train.optimizers import adamw_param_groups
 from lowband.train.strategies import register_strategy
 from lowband.train.strategies.base import Strategy
@@ -44,10 +44,14 @@ class DilocoStrategy(Strategy):
         if d.num_replicas < 0 or world_size % replicas:
             raise ConfigError(f"diloco.num_replicas must be 0 (one per rank) or a divisor of run.world_size "
                               f"({world_size}); got {d.num_replicas}")
-        try:
-            ScheduleConfig(d.fragments, d.sync_every, d.delay)
-        except (ValueError, TypeError) as e:
-            raise ConfigError(str(e).replace("diloco ", "diloco.", 1)) from None
+        if d.fragments < 1:
+            raise ConfigError(f"diloco.fragments must be >= 1; got {d.fragments}")
+        if d.sync_every < d.fragments or d.sync_every % d.fragments:
+            raise ConfigError(f"diloco.sync_every must be a positive multiple of diloco.fragments "
+                              f"({d.fragments}); got {d.sync_every}")
+        if not 0 <= d.delay < d.sync_every // d.fragments:
+            raise ConfigError(f"diloco.delay must be in [0, sync_every / fragments) = "
+                              f"[0, {d.sync_every // d.fragments}); got {d.delay}")
         if not 0.0 <= d.alpha <= 1.0:
             raise ConfigError(f"diloco.alpha must be in [0, 1]; got {d.alpha}")
         if d.wire not in WIRES:

@@ -1,0 +1,120 @@
+"""Fault-tolerant DiLoCo membership through torchft (optional extra ``ft``: ``torchft==0.2.0``).
+
+:class:`TorchftMembership` wraps a ``torchft.Manager`` (one per replica group, created by the user
+with ``use_async_quorum=False``, a torchft process group over the same group rank of every replica,
+and the user's ``state_dict`` / ``load_state_dict`` for the model and inner optimizer):
+
+* **quorum before each fragment's prepare** (``manager.start_quorum()``, synchronous): membership is
+  agreed, the process group reconfigured if it changed, and a replica whose committed step is behind
+  the quorum's maximum (a restarted or failed one) is **healed** from an up-to-date peer: model and
+  inner optimizer (the user's state-dict functions), every fragment's global copy and outer optimizer
+  state (registered here under the key ``lowband_diloco``) and the committed step (torchft's own);
+* the fragment to sync is ``manager.current_step() % n`` (the committed step, identical on every
+  member after the quorum);
+* the pseudo-gradient is averaged with ``manager.allreduce`` (fp32, sum then division by the number
+  of participants; errors and timeouts are recorded by the manager instead of raised), recorded in
+  the ledger as one ``all_reduce`` per bucket (algorithm ``torchft``, tag ``diloco:frag<i>``);
+* at the sync ``manager.should_commit()`` votes; on False the fragment is **rolled back** to its
+  last global copy, nothing is stepped, the committed step stays, and the **same fragment is
+  retried** ``K`` inner steps later (after a new quorum);
+* replicas may run **different** ``sync_every`` (same number of fragments): they meet at the quorum.
+
+State reads by a healing peer are blocked during the inner optimizer step (pre-hook
+``disallow_state_dict_read``, post-hook ``allow_state_dict_read``), as in torchft's DiLoCo.
+Only the ``fp32`` wire is supported in this mode (torchft's quantized all-reduce needs CUDA+Triton).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lowband.comm import CommLedger, default_ledger
+from lowband.comm.codecs import Codec
+from lowband.comm.ledger import CommRecord, ring_wire_bytes
+
+if TYPE_CHECKING:
+    from lowband.diloco.streaming import StreamingDiLoCo
+
+STATE_KEY = "lowband_diloco"
+
+
+class _WorkHandle:
+    """Adapter of a torchft ``Work`` to the handle interface StreamingDiLoCo polls and waits."""
+
+    def __init__(self, work: Any, record: CommRecord, t0: float) -> None:
+        self._work = work
+        self._record = record
+        self._t0 = t0
+        self._done = False
+
+    def poll(self) -> bool:
+        return True  # single phase: nothing to advance
+
+    def wait(self) -> None:
+        if not self._done:
+            import time
+
+            self._work.wait()
+            self._done = True
+            self._record.elapsed_s = time.perf_counter() - self._t0
+
+
+class TorchftMembership:
+    """Replicas managed by a ``torchft.Manager``: quorum, healing, commit vote, rollback and retry.
+
+    Args:
+        manager: a ``torchft.manager.Manager`` built with ``use_async_quorum=False``.
+        ledger: where the outer all-reduces are recorded (default: the process-wide ledger).
+
+    Raises:
+        ValueError: the manager uses an asynchronous quorum.
+    """
+
+    name = "ft"
+    uniform_schedule = False  # replicas may differ in sync_every
+
+    def __init__(self, manager: Any, ledger: CommLedger | None = None) -> None:
+        if getattr(manager, "_use_async_quorum", False):
+            raise ValueError("diloco ft membership: the torchft Manager must be built with "
+                             "use_async_quorum=False (a quorum precedes every fragment's prepare)")
+        self.manager = manager
+        self.ledger = ledger if ledger is not None else default_ledger()
+        self._diloco: StreamingDiLoCo | None = None
+
+    # ------------------------------------------------------------------------------ set-up
+    def attach(self, diloco: StreamingDiLoCo) -> None:
+        """Called once by :class:`StreamingDiLoCo`: check the wire, register the healing state."""
+        if diloco.codec.name != "fp32":
+            raise ValueError(f"diloco wire={diloco.codec.name!r} is not supported with torchft membership; "
+                             "allowed: ['fp32']")
+        self._diloco = diloco
+        self.manager.register_state_dict_fn(STATE_KEY, diloco.load_outer_state, diloco.outer_state)
+
+    # --------------------------------------------------------------------------- the hooks
+    def before_step(self) -> None:
+        self.manager.disallow_state_dict_read()
+
+    def after_step(self) -> None:
+        self.manager.allow_state_dict_read()
+
+    def start_quorum(self, diloco: StreamingDiLoCo) -> None:
+        """Quorum (may heal this replica); the committed step follows the manager's."""
+        self.manager.start_quorum()
+        diloco.committed = self.manager.current_step()
+
+    def all_reduce(self, flat: torch.Tensor, codec: Codec, tag: str) -> _WorkHandle:
+        import time
+
+        t0 = time.perf_counter()
+        n = self.manager.num_participants()
+        esize = flat.element_size()
+        rec = self.ledger.add(CommRecord(op="all_reduce", group="ft", group_size=n, numel=flat.numel(),
+                                         wire_dtype=str(flat.dtype).removeprefix("torch."),
+                                         wire_bytes=ring_wire_bytes("all_reduce", n, flat.numel() * esize),
+                                         algorithm="torchft", tag=tag, async_op=True))
+        return _WorkHandle(self.manager.allreduce(flat), rec, t0)
+
+    def should_commit(self) -> bool:
+        return bool(self.manager.should_commit())

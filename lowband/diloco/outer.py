@@ -1,0 +1,67 @@
+"""The math of the DiLoCo outer step, kept apart from its distribution (no collective here).
+
+For one fragment with global copy ``G`` (the last agreed weights) and local weights ``L``:
+
+* pseudo-gradient ``g = G - L`` (so an outer SGD step with lr 1 moves ``G`` onto ``L``);
+* outer step: ``G.grad = mean over replicas of g``; ``outer_optimizer.step()`` updates ``G``;
+* merge: ``L = G_new + alpha (L - G_new)``, computed as torchft does: copy ``G_new`` into the weights,
+  then ``lerp_`` toward the saved local weights with weight ``alpha`` (0 = pure global).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+
+def default_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """SGD, lr 0.7, momentum 0.9, Nesterov: the DiLoCo papers' and torchft's default."""
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+@torch.no_grad()
+def pseudo_gradient_into(flat: torch.Tensor, global_params: Sequence[torch.Tensor],
+                         local_params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Write ``G - L`` for every parameter, concatenated in order, into the 1-D ``flat``.
+
+    The difference is taken in ``flat``'s dtype on ``flat``'s device.
+    """
+    off = 0
+    for g, p in zip(global_params, local_params, strict=True):
+        k = p.numel()
+        dst = flat[off:off + k].view(p.shape)
+        dst.copy_(g)
+        dst.sub_(p.detach().to(flat.dtype))
+        off += k
+    if off != flat.numel():
+        raise ValueError(f"pseudo_gradient_into: flat has {flat.numel()} elements, parameters {off}")
+    return flat
+
+
+@torch.no_grad()
+def outer_step(optimizer: torch.optim.Optimizer, global_params: Sequence[torch.Tensor],
+               averaged: torch.Tensor) -> None:
+    """Set each global copy's ``.grad`` from the 1-D ``averaged`` pseudo-gradient and step."""
+    off = 0
+    for g in global_params:
+        k = g.numel()
+        g.grad = averaged[off:off + k].view(g.shape).to(device=g.device, dtype=g.dtype).clone()
+        off += k
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+@torch.no_grad()
+def merge_(local_params: Sequence[torch.Tensor], global_params: Sequence[torch.Tensor],
+           alpha: float) -> None:
+    """In place: ``L = G + alpha (L - G)`` (``copy_(G)`` then ``lerp_(L_saved, alpha)``)."""
+    for p, g in zip(local_params, global_params, strict=True):
+        if alpha == 0.0:
+            p.copy_(g)
+        else:
+            saved = p.detach().clone()
+            p.copy_(g)
+            p.lerp_(saved, alpha)
