@@ -108,3 +108,28 @@ class DilocoStrategy(Strategy):
 
     def log_extras(self) -> dict[str, Any]:
         return {"outer_steps": self.diloco.committed}
+
+    # ----------------------------------------------------------------------------------------------
+    # Checkpoint hooks (docs/checkpoints.md); layout: lowband.train.checkpoint_diloco (replica-local model
+    # and inner AdamW as (replicas, ...) DTensors, global copies / outer momentum / counters / in-flight
+    # fragment replicated). The format tag carries the replica count: a checkpoint resumes with as many
+    # replicas as it was saved with. prepare_resume (DDP bucket rebuild) and skip_step (no inner step, so
+    # the DiLoCo hook does not run; an in-flight fragment stays in flight) are the defaults.
+
+    def _ckpt_layout(self):
+        from lowband.train.checkpoint_diloco import DilocoStateLayout
+
+        if getattr(self, "_ckpt", None) is None:
+            m = self.mesh
+            self._ckpt = DilocoStateLayout(self.unwrapped(), self.optimizer, self.diloco, m.num_replicas,
+                                           m.dp_size, m.replica)
+        return self._ckpt
+
+    def checkpoint_format(self) -> str | None:
+        return f"diloco-r{self.mesh.num_replicas}-v1"
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._ckpt_layout().state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._ckpt_layout().load_state_dict(state)

@@ -96,10 +96,6 @@ class _ShardedBase(Strategy):
     # (clip_grad_norm already waited for the parameter all-gathers), so no shard is half-updated.
 
     def checkpoint_format(self) -> str | None:
-        s = self.cfg.strategy
-        if (s.param_wire_dtype != "float32" or self.cfg.run.dtype not in ("float32", "float64")
-                or list(s.sparse_embeddings)):
-            return None  # fp32 master copies / sparse-table state are not in the checkpoint layout
         return f"{self.name}-v1"
 
     def _ckpt_layout(self):

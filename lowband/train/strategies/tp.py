@@ -152,3 +152,28 @@ class TPStrategy(Strategy):
     def unwrapped(self) -> nn.Module:
         """The input-gathering TP model (every TP rank must call it together; parameters are shards)."""
         return self.model
+
+    # ----------------------------------------------------------------------------------------------
+    # Checkpoint hooks (docs/checkpoints.md); the layout is lowband.train.checkpoint_tp.TPStateLayout:
+    # TP shards and REKLS factor rows as DTensors on the dp x tp mesh in the dense model's coordinates,
+    # so a checkpoint loads at another TP size. skip_step is the default (zero_grad): the DP gradient
+    # all-reduce and the TP-REKLS collectives are synchronous, nothing is in flight at the guard.
+
+    def _ckpt_layout(self):
+        from lowband.train.checkpoint_tp import TPStateLayout
+
+        if getattr(self, "_ckpt", None) is None:
+            self._ckpt = TPStateLayout(self.model.module, self.optimizer, self.mesh.tp.size, self.mesh.dp.size)
+        return self._ckpt
+
+    def checkpoint_format(self) -> str | None:
+        return f"tp-{self.cfg.strategy.tp_optimizer}-v1"
+
+    def state_dict(self) -> dict:
+        return self._ckpt_layout().state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self._ckpt_layout().load_state_dict(state)
+
+    def param_shapes(self) -> dict[str, tuple[list[int], str]]:
+        return self._ckpt_layout().param_shapes()

@@ -1,0 +1,173 @@
+"""Checkpoint, exact resume and the non-finite guard for strategy ``diloco``.
+
+Schedule: H = 4, 2 fragments, delay 1, so a fragment is prepared after every odd step and synced after
+every even one; a checkpoint after an odd step holds an in-flight fragment. States are compared as the
+checkpoint holds them (``Strategy.state_dict()`` with the per-replica DTensors gathered to ``(R, ...)``).
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import lowband.train.trainer as trainer_mod
+from lowband.data import write_shard
+from lowband.testing import run_ranks
+from lowband.train.checkpoint import CheckpointError, list_checkpoints
+from lowband.train.checkpoint_tp import full_state
+from lowband.train.config import Config
+from lowband.train.trainer import train
+
+GLOBAL_BATCH = 4
+
+
+def diloco_config(shard: str, world: int, *, replicas: int = 0, steps: int = 6, ckpt_dir: str = "",
+                  every: int = 0) -> Config:
+    cfg = Config()
+    cfg.run.world_size, cfg.run.steps, cfg.run.dtype = world, steps, "float64"
+    cfg.run.val_every, cfg.run.val_batches, cfg.run.log_every, cfg.run.threads = 0, 1, 1, 1
+    cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, cfg.model.seq_len = 1, 16, 2, 8
+    cfg.data.source, cfg.data.train_bin, cfg.data.batch_size = "bin", shard, GLOBAL_BATCH // world
+    cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.weight_decay, cfg.optim.grad_clip = 1e-2, 1, 0.1, 0.5
+    cfg.strategy.name = "diloco"
+    cfg.diloco.num_replicas, cfg.diloco.sync_every, cfg.diloco.fragments, cfg.diloco.delay = replicas, 4, 2, 1
+    cfg.checkpoint.dir, cfg.checkpoint.every = ckpt_dir, every
+    return cfg
+
+
+def _snapshot(res) -> dict:
+    def conv(v):
+        if isinstance(v, torch.Tensor):
+            return v.detach().clone()
+        if isinstance(v, bytes):
+            return pickle.loads(v) if v else None
+        return v
+
+    state = full_state(res.strategy.state_dict(), conv)
+    return {"losses": {r["step"]: r["loss"] for r in res.rows if "loss" in r}, "state": state,
+            "start": res.start_step, "skipped": list(res.skipped_steps)}
+
+
+def _run(cfg: Config, stop_after: int | None = None) -> dict:
+    return _snapshot(train(cfg, write_run_dir=False, log=False, stop_after=stop_after))
+
+
+def _run_nan(cfg: Config, nan_step: int, nan_rank: int) -> dict:
+    import torch.distributed as dist
+
+    original = trainer_mod.build_model
+    rank = dist.get_rank()
+
+    def build(cfg, device):
+        model = original(cfg, device)
+        calls = {"n": 0}
+
+        def hook(module, args, output):
+            calls["n"] += 1
+            return output * float("nan") if calls["n"] == nan_step and rank == nan_rank else output
+
+        model.register_forward_hook(hook)
+        return model
+
+    trainer_mod.build_model = build
+    try:
+        return _run(cfg)
+    finally:
+        trainer_mod.build_model = original
+
+
+def _refused(cfg: Config) -> str:
+    try:
+        train(cfg, write_run_dir=False, log=False)
+    except CheckpointError as e:
+        return str(e)
+    return "no error"
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, tuple | list):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    return a == b
+
+
+def assert_same_state(a: dict, b: dict, skip: tuple[str, ...] = ()) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if k not in skip:
+            assert _equal(a[k], b[k]), k
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory: pytest.TempPathFactory) -> str:
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("data") / "train.bin"
+    write_shard(path, rng.integers(0, 256, size=20_000).astype(np.uint16))
+    return str(path)
+
+
+@pytest.mark.parametrize(("world", "replicas", "stop"), [(1, 0, 3), (2, 0, 3), (2, 0, 2), (4, 2, 3)])
+def test_diloco_stop_and_resume_is_bitwise_exact(shard: str, tmp_path: Path, world: int, replicas: int,
+                                                 stop: int) -> None:
+    """stop 3: a fragment is in flight at the checkpoint; stop 2: right after a sync. World 4: 2 replicas
+    of DDP 2."""
+    full = run_ranks(_run, world, diloco_config(shard, world, replicas=replicas))
+    cfg = diloco_config(shard, world, replicas=replicas, ckpt_dir=str(tmp_path), every=stop)
+    first = run_ranks(_run, world, cfg, stop_after=stop)
+    assert [c.step for c in list_checkpoints(tmp_path)] == [stop]
+    assert (first[0]["state"]["diloco.inflight"] is not None) == (stop == 3)
+    second = run_ranks(_run, world, cfg)
+    for r in range(world):
+        assert first[r]["start"] == 0 and second[r]["start"] == stop
+        assert {**first[r]["losses"], **second[r]["losses"]} == full[r]["losses"]  # exact
+        assert_same_state(second[r]["state"], full[r]["state"])
+    st = full[0]["state"]
+    assert st["diloco.counters"] == {"committed": 3, "local_step": 0}
+    n_rep = replicas or world
+    assert st["model.tok_emb.weight"].shape[0] == n_rep and st["diloco.global.tok_emb.weight"].dim() == 2
+
+
+def test_diloco_nonfinite_step_is_skipped_on_every_rank(shard: str) -> None:
+    """NaN loss on rank 1 at step 4, while fragment 1 is in flight: every rank keeps the step-3 state."""
+    world = 2
+    at3 = run_ranks(_run, world, diloco_config(shard, world, steps=4), stop_after=3)
+    out = run_ranks(_run_nan, world, diloco_config(shard, world, steps=4), 4, 1)
+    for r in range(world):
+        assert out[r]["skipped"] == [4]
+        lr_keys = tuple(k for k in at3[r]["state"] if k.startswith("optim.param_groups.") and k.endswith(".lr"))
+        assert lr_keys
+        assert_same_state(out[r]["state"], at3[r]["state"], skip=lr_keys)
+
+
+def test_diloco_resumes_with_another_ddp_size_per_replica(shard: str, tmp_path: Path) -> None:
+    """2 replicas x DDP 1 (2 ranks) -> 2 replicas x DDP 2 (4 ranks), in flight at the checkpoint: the state
+    loads bit for bit and training continues like the 4-rank run (1e-10; DDP averages two half batches)."""
+    saved = run_ranks(_run, 2, diloco_config(shard, 2, replicas=2, ckpt_dir=str(tmp_path), every=3), stop_after=3)
+    cfg = diloco_config(shard, 4, replicas=2, ckpt_dir=str(tmp_path), every=3)
+    loaded = run_ranks(_run, 4, cfg, stop_after=3)
+    for r in range(4):
+        assert loaded[r]["start"] == 3
+        assert_same_state(loaded[r]["state"], saved[0]["state"])
+    cont = run_ranks(_run, 4, cfg)
+    ref = run_ranks(_run, 4, diloco_config(shard, 4, replicas=2))
+    for r in range(4):
+        np.testing.assert_allclose([cont[r]["losses"][s] for s in (4, 5, 6)], [ref[r]["losses"][s] for s in (4, 5, 6)],
+                                   rtol=1e-10)
+        for k, v in ref[r]["state"].items():
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                torch.testing.assert_close(cont[r]["state"][k], v, rtol=1e-10, atol=1e-10, msg=k)
+
+
+def test_diloco_other_replica_count_is_refused(shard: str, tmp_path: Path) -> None:
+    run_ranks(_run, 2, diloco_config(shard, 2, steps=2, ckpt_dir=str(tmp_path), every=2))
+    out = run_ranks(_refused, 4, diloco_config(shard, 4, steps=4, ckpt_dir=str(tmp_path), every=2))
+    assert out[0] == out[1]
+    assert ("strategy: checkpoint 'diloco' (state format 'diloco-r2-v1'), this run 'diloco' (state format "
+            "'diloco-r4-v1')") in out[0]
