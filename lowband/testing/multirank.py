@@ -45,6 +45,7 @@ def _worker(rank: int, world_size: int, tasks: Any, results: Any) -> None:
         if item is None:
             return
         call_id, fn, args, kwargs, store_path, pg_timeout_s = item
+        phase = "init"
         try:
             torch.manual_seed(0)
             torch.set_default_dtype(torch.float32)
@@ -53,13 +54,14 @@ def _worker(rank: int, world_size: int, tasks: Any, results: Any) -> None:
             store = dist.FileStore(store_path, world_size)
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=pg_timeout_s))
+            phase = "run"
             try:
                 value = fn(*args, **kwargs)
             finally:
                 dist.destroy_process_group()
-            results.put((call_id, rank, True, value))
+            results.put((call_id, rank, True, value, phase))
         except BaseException:
-            results.put((call_id, rank, False, traceback.format_exc()))
+            results.put((call_id, rank, False, traceback.format_exc(), phase))
 
 
 class _Pool:
@@ -102,6 +104,10 @@ def shutdown_pools() -> None:
     _POOLS.clear()
 
 
+class _StartupFailure(DistributedTestError):
+    """The process group could not be formed; ``fn`` did not run on the reporting rank."""
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
               timeout: float | None = None, pg_timeout: float | None = None,
               **kwargs: Any) -> list[Any]:
@@ -115,7 +121,19 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
 
     Raises:
         DistributedTestError: with the first failing rank's traceback, or on timeout.
+
+    If forming the process group itself fails (gloo's TCP mesh set-up occasionally fails with
+    "connection closed by peer" on a loaded machine), the call is retried once on fresh processes;
+    ``fn`` had not started on the rank that reported it.
     """
+    try:
+        return _run_ranks_once(fn, world_size, args, kwargs, timeout, pg_timeout)
+    except _StartupFailure:
+        return _run_ranks_once(fn, world_size, args, kwargs, timeout, pg_timeout)
+
+
+def _run_ranks_once(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict,
+                    timeout: float | None, pg_timeout: float | None) -> list[Any]:
     timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
     pg_timeout = timeout if pg_timeout is None else pg_timeout
     use_pool = os.environ.get("LOWBAND_TEST_POOL", "1") != "0"
@@ -135,6 +153,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
         q.put((call_id, fn, args, kwargs, store_path, pg_timeout))
     results: dict[int, Any] = {}
     failure: tuple[int, str] | None = None
+    startup_failed = False
     deadline = time.monotonic() + timeout
     healthy = True
     try:
@@ -146,7 +165,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
             if remaining <= 0:
                 break
             try:
-                cid, rank, ok, value = pool.results.get(timeout=min(remaining, 1.0))
+                cid, rank, ok, value, phase = pool.results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
                 if not pool.alive():
                     dead = [r for r, p in enumerate(pool.procs) if not p.is_alive()]
@@ -162,9 +181,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
                 results[rank] = None
                 if failure is None:
                     failure = (rank, value)
+                    startup_failed = phase == "init"
         if failure is not None:
             healthy = False
-            raise DistributedTestError(f"{fn.__module__}.{fn.__qualname__} failed on rank "
+            error = _StartupFailure if startup_failed else DistributedTestError
+            raise error(f"{fn.__module__}.{fn.__qualname__} failed on rank "
                                        f"{failure[0]} of {world_size}:\n{failure[1]}")
         if len(results) < world_size:
             healthy = False
