@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-from lowband.data import write_shard
 from lowband.testing import run_ranks
 from lowband.train.checkpoint import (
     MARKER,
@@ -100,14 +99,6 @@ def assert_close_state(a: dict, b: dict, tol: float) -> None:
     for k in a["optim"]:
         torch.testing.assert_close(torch.as_tensor(a["optim"][k]), torch.as_tensor(b["optim"][k]), rtol=tol,
                                    atol=tol)
-
-
-@pytest.fixture(scope="module")
-def shard(tmp_path_factory: pytest.TempPathFactory) -> str:
-    rng = np.random.default_rng(0)
-    path = tmp_path_factory.mktemp("data") / "train.bin"
-    write_shard(path, rng.integers(0, 256, size=20_000).astype(np.uint16))
-    return str(path)
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import lowband.train.trainer as trainer_mod
-from lowband.data import write_shard
 from lowband.testing import run_ranks
 from lowband.train.checkpoint import CheckpointError, list_checkpoints
 from lowband.train.checkpoint_tp import full_state
@@ -103,14 +102,6 @@ def assert_same_state(a: dict, b: dict, skip: tuple[str, ...] = ()) -> None:
     for k in a:
         if k not in skip:
             assert _equal(a[k], b[k]), k
-
-
-@pytest.fixture(scope="module")
-def shard(tmp_path_factory: pytest.TempPathFactory) -> str:
-    rng = np.random.default_rng(0)
-    path = tmp_path_factory.mktemp("data") / "train.bin"
-    write_shard(path, rng.integers(0, 256, size=20_000).astype(np.uint16))
-    return str(path)
 
 
 @pytest.mark.parametrize(("world", "replicas", "stop"), [(1, 0, 3), (2, 0, 3), (2, 0, 2), (4, 2, 3)])

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import lowband.train.trainer as trainer_mod
-from lowband.data import write_shard
 from lowband.testing import run_ranks
 from lowband.train.checkpoint import list_checkpoints
 from lowband.train.checkpoint_tp import full_state
@@ -84,14 +83,6 @@ def assert_same_state(a: dict, b: dict, skip: tuple[str, ...] = ()) -> None:
             assert a[k].shape == b[k].shape and torch.equal(a[k], b[k]), k
         else:
             assert a[k] == b[k], k
-
-
-@pytest.fixture(scope="module")
-def shard(tmp_path_factory: pytest.TempPathFactory) -> str:
-    rng = np.random.default_rng(0)
-    path = tmp_path_factory.mktemp("data") / "train.bin"
-    write_shard(path, rng.integers(0, 256, size=20_000).astype(np.uint16))
-    return str(path)
 
 
 @pytest.mark.parametrize(("strategy", "world", "sparse"), [("sharded-adamw", 1, ()), ("sharded-adamw", 2, ()),

@@ -22,7 +22,6 @@ import pytest
 import torch
 
 import lowband.train.trainer as trainer_mod
-from lowband.data import write_shard
 from lowband.testing import run_ranks
 from lowband.train.checkpoint import list_checkpoints
 from lowband.train.checkpoint_tp import full_state, qkv_perm
@@ -99,14 +98,6 @@ def assert_close_state(a: dict, b: dict, tol: float) -> None:
             torch.testing.assert_close(a[k], b[k], rtol=tol, atol=tol, msg=k)
         else:
             assert a[k] == b[k], k
-
-
-@pytest.fixture(scope="module")
-def shard(tmp_path_factory: pytest.TempPathFactory) -> str:
-    rng = np.random.default_rng(0)
-    path = tmp_path_factory.mktemp("data") / "train.bin"
-    write_shard(path, rng.integers(0, 256, size=20_000).astype(np.uint16))
-    return str(path)
 
 
 def test_qkv_perm_matches_the_strategy_layout() -> None:

@@ -293,15 +293,6 @@ def _single_worker(cfg: Config) -> list[torch.Tensor]:
     return [p.detach().clone() for p in res.strategy.unwrapped().parameters()]
 
 
-@pytest.fixture(scope="module")
-def shard(tmp_path_factory: pytest.TempPathFactory) -> str:
-    import numpy as np
-
-    from lowband.data import write_shard
-
-    path = tmp_path_factory.mktemp("data") / "train.bin"
-    write_shard(path, np.random.default_rng(0).integers(0, 256, size=20_000).astype(np.uint16))
-    return str(path)
 
 
 @pytest.mark.parametrize(("world", "replicas"), [(2, 0), (4, 2)])

@@ -18,7 +18,6 @@ import torch.multiprocessing as mp
 
 import lowband.train.trainer as trainer_mod
 from lowband.comm import Comm
-from lowband.data import write_shard
 from lowband.testing import run_ranks
 from lowband.train.config import Config, ConfigError, load_config
 from lowband.train.guards import NonFiniteGuard, NonFiniteStepError, PeerFailureError, is_peer_failure
@@ -90,14 +89,6 @@ def _train_with_faults(cfg: Config, loss_steps=None, grad_steps=None) -> dict:
             "params": {k: v.detach().clone() for k, v in res.strategy.unwrapped().state_dict().items()},
             "opt_steps": sorted({float(s["step"]) for s in opt.state.values()}),
             "exp_avg": [s["exp_avg"].clone() for s in opt.state.values()]}
-
-
-@pytest.fixture(scope="module")
-def shard(tmp_path_factory: pytest.TempPathFactory) -> str:
-    rng = np.random.default_rng(0)
-    path = tmp_path_factory.mktemp("data") / "train.bin"
-    write_shard(path, rng.integers(0, 256, size=20_000).astype(np.uint16))
-    return str(path)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from lowband.data import write_shard
 from lowband.testing import run_ranks
 from lowband.train.config import Config
 from lowband.train.trainer import train
@@ -33,14 +32,6 @@ def _train_and_return_params(cfg: Config) -> dict[str, torch.Tensor]:
     losses = [r["loss"] for r in res.rows if "loss" in r]
     sd = {k: v.detach().clone() for k, v in res.strategy.unwrapped().state_dict().items()}
     return {"params": sd, "losses": losses, "wire": [r["wire_bytes"] for r in res.rows if "loss" in r]}
-
-
-@pytest.fixture(scope="module")
-def shard(tmp_path_factory: pytest.TempPathFactory) -> str:
-    rng = np.random.default_rng(0)
-    path = tmp_path_factory.mktemp("data") / "train.bin"
-    write_shard(path, rng.integers(0, 256, size=20_000).astype(np.uint16))
-    return str(path)
 
 
 @pytest.mark.parametrize("world", [2, 4])
