@@ -17,7 +17,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lowband.comm import Comm
-from lowband.train.optimizers import adamw_param_groups
+from lowband.train.config import Config
+from lowband.train.optimizers import torch_adamw
 from lowband.train.strategies import register_strategy
 from lowband.train.strategies.base import Strategy
 
@@ -31,22 +32,24 @@ def ledger_allreduce_hook(state: tuple[Comm, torch.dtype | None],
     return comm.all_reduce(bucket.buffer(), "avg", wire_dtype=wire, async_op=True, tag="grad").future()
 
 
+def wrap_ddp(model: nn.Module, device: torch.device, comm: Comm, cfg: Config) -> DistributedDataParallel:
+    """``model`` in torch DDP over ``comm``'s group, its bucket all-reduce routed through ``comm``."""
+    ddp = DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None, process_group=comm.group,
+        bucket_cap_mb=cfg.strategy.bucket_mb, gradient_as_bucket_view=True, broadcast_buffers=False)
+    ddp.register_comm_hook((comm, _WIRE[cfg.strategy.grad_wire_dtype]), ledger_allreduce_hook)
+    return ddp
+
+
 @register_strategy("ddp")
 class DDPStrategy(Strategy):
     def setup(self, model: nn.Module) -> None:
         if self.env.world_size > 1:
-            ddp = DistributedDataParallel(
-                model, device_ids=[self.env.device.index] if self.env.device.type == "cuda" else None,
-                bucket_cap_mb=self.cfg.strategy.bucket_mb, gradient_as_bucket_view=True,
-                broadcast_buffers=False)
-            ddp.register_comm_hook((self.env.comm, _WIRE[self.cfg.strategy.grad_wire_dtype]),
-                                   ledger_allreduce_hook)
-            self.model = ddp
+            self.model = wrap_ddp(model, self.env.device, self.env.comm, self.cfg)
         else:
             self.model = model
         o = self.cfg.optim
-        self.optimizer = torch.optim.AdamW(adamw_param_groups(model, o.weight_decay), lr=o.lr,
-                                           betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
+        self.optimizer = torch_adamw(model, o)
 
     @contextlib.contextmanager
     def microbatch(self, last: bool) -> Iterator[None]:

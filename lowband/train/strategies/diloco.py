@@ -24,10 +24,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lowband.comm.codecs import CODECS
 from lowband.diloco import StreamingDiLoCo, replica_mesh
-from lowband.train.optimizers import adamw_param_groups
+from lowband.train.optimizers import torch_adamw
 from lowband.train.strategies import register_strategy
 from lowband.train.strategies.base import Strategy
-from lowband.train.strategies.ddp import _WIRE, ledger_allreduce_hook
+from lowband.train.strategies.ddp import wrap_ddp
 
 WIRES = tuple(c for c in CODECS if c != "fp64")
 
@@ -67,18 +67,11 @@ class DilocoStrategy(Strategy):
         replicas = d.num_replicas or self.env.world_size
         self.mesh = replica_mesh(replicas, ledger=self.env.ledger)
         if self.mesh.dp_size > 1:
-            ddp = DistributedDataParallel(
-                model, device_ids=[self.env.device.index] if self.env.device.type == "cuda" else None,
-                process_group=self.mesh.dp.group, bucket_cap_mb=self.cfg.strategy.bucket_mb,
-                gradient_as_bucket_view=True, broadcast_buffers=False)
-            ddp.register_comm_hook((self.mesh.dp, _WIRE[self.cfg.strategy.grad_wire_dtype]),
-                                   ledger_allreduce_hook)
-            self.model = ddp
+            self.model = wrap_ddp(model, self.env.device, self.mesh.dp, self.cfg)
         else:
             self.model = model
         o = self.cfg.optim
-        self.optimizer = torch.optim.AdamW(adamw_param_groups(model, o.weight_decay), lr=o.lr,
-                                           betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
+        self.optimizer = torch_adamw(model, o)
 
         def outer(params: list) -> torch.optim.Optimizer:
             return torch.optim.SGD(params, lr=d.outer_lr, momentum=d.outer_momentum,

@@ -39,7 +39,7 @@ from lowband.parallel.gtp import (
 )
 from lowband.parallel.gtp_quant import BlockSpec
 from lowband.parallel.mesh import build_mesh
-from lowband.train.optimizers import adamw_param_groups
+from lowband.train.optimizers import torch_adamw
 from lowband.train.strategies import register_strategy
 from lowband.train.strategies.base import Strategy
 
@@ -81,8 +81,7 @@ class GTPStrategy(Strategy):
         shard_linears(model, self.runtime)
         self.model = model
         o = self.cfg.optim
-        self.optimizer = torch.optim.AdamW(adamw_param_groups(model, o.weight_decay), lr=o.lr,
-                                           betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
+        self.optimizer = torch_adamw(model, o)
 
     @contextlib.contextmanager
     def microbatch(self, last: bool) -> Iterator[None]:

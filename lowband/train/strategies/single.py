@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from lowband.train.optimizers import adamw_param_groups
+from lowband.train.optimizers import torch_adamw
 from lowband.train.strategies import register_strategy
 from lowband.train.strategies.base import Strategy
 
@@ -17,5 +16,4 @@ class SingleStrategy(Strategy):
     def setup(self, model: nn.Module) -> None:
         self.model = model
         o = self.cfg.optim
-        self.optimizer = torch.optim.AdamW(adamw_param_groups(model, o.weight_decay), lr=o.lr,
-                                           betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
+        self.optimizer = torch_adamw(model, o)

@@ -31,7 +31,7 @@ from lowband.optim.tp_rekls import TpRekls
 from lowband.parallel.gtp import reduce_grads
 from lowband.parallel.mesh import build_mesh
 from lowband.parallel.tensor import ColumnParallelLinear, RowParallelLinear
-from lowband.train.optimizers import adamw_param_groups
+from lowband.train.optimizers import torch_adamw
 from lowband.train.strategies import register_strategy
 from lowband.train.strategies.base import Strategy
 
@@ -109,8 +109,7 @@ class TPStrategy(Strategy):
         shard_gpt_tp(model, self.mesh.tp)
         self.model = TPInputGather(model, self.mesh.tp)
         if s.tp_optimizer == "adamw":
-            self.optimizer = torch.optim.AdamW(adamw_param_groups(model, o.weight_decay), lr=o.lr,
-                                               betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
+            self.optimizer = torch_adamw(model, o)
             return
         params = [p for p in model.parameters() if p.requires_grad]
         tp_mats = [p for p in params if _is_tp(p) and p.dim() == 2]
