@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-import lowband.train.trainer as trainer_mod
 from lowband.testing import run_ranks
 from lowband.train.checkpoint import list_checkpoints
 from lowband.train.checkpoint_tp import full_state
 from lowband.train.config import Config
 from lowband.train.trainer import train
+from tests.distributed.trainer_util import nan_loss_at
 
 GLOBAL_BATCH = 4
 
@@ -51,27 +51,8 @@ def _run(cfg: Config, stop_after: int | None = None) -> dict:
 
 def _run_nan(cfg: Config, nan_step: int, nan_rank: int) -> dict:
     """Train with the loss made NaN on ``nan_rank`` at training step ``nan_step`` (1-based)."""
-    import torch.distributed as dist
-
-    original = trainer_mod.build_model
-    rank = dist.get_rank()
-
-    def build(cfg, device):
-        model = original(cfg, device)
-        calls = {"n": 0}
-
-        def hook(module, args, output):
-            calls["n"] += 1
-            return output * float("nan") if calls["n"] == nan_step and rank == nan_rank else output
-
-        model.register_forward_hook(hook)
-        return model
-
-    trainer_mod.build_model = build
-    try:
+    with nan_loss_at(nan_step, nan_rank):
         return _run(cfg)
-    finally:
-        trainer_mod.build_model = original
 
 
 def assert_same_state(a: dict, b: dict, skip: tuple[str, ...] = ()) -> None:
