@@ -12,6 +12,7 @@ from torch import nn
 from lowband.comm import Comm, CommLedger
 from lowband.comm.codecs import chunk_layout, get_codec, reference_all_reduce
 from lowband.diloco import ScheduleConfig, StreamingDiLoCo, plan, replica_mesh
+from lowband.optim import ShardedAdamW
 from lowband.testing import run_ranks
 from lowband.train.config import Config
 
@@ -64,7 +65,11 @@ def _replica_worker(cfg: dict) -> dict:
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.01 * dist.get_rank())
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
+    sharded_inner = cfg.get("inner") == "sharded"
+    if sharded_inner:  # ZeRO-style sharded AdamW over the replica's dp ranks (reduce-scatter + all-gather)
+        opt = ShardedAdamW(model.parameters(), lr=cfg["lr"], comm=dp_comm, bucket_mb=1e-4)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
     snaps: list[dict] = []
     diloco = StreamingDiLoCo(model, opt, comm=cross, sync_every=cfg["H"], fragments=cfg["n"],
                              delay=cfg["tau"], alpha=cfg["alpha"], wire=cfg["wire"],
@@ -80,14 +85,16 @@ def _replica_worker(cfg: dict) -> dict:
         x, y = _batch(replica, dp_rank, step, dtype)
         opt.zero_grad()
         _loss(model, x, y).backward()
-        if dp_comm is not None:
+        if dp_comm is not None and not sharded_inner:
             for p in model.parameters():
                 dp_comm.all_reduce(p.grad, "avg", tag="grad")
         opt.step()
     diloco.close()
     recs = [(r.op, r.tag, r.numel, r.wire_bytes, r.wire_dtype, r.group) for r in ledger.records
             if r.tag.startswith("diloco")]
+    inner_ops = sorted({(r.op, r.group) for r in ledger.records if r.tag.startswith("grad")})
     return {"snaps": snaps, "params": [p.detach().clone() for p in model.parameters()], "records": recs,
+            "inner_ops": inner_ops,
             "frag_numels": [f.numel for f in diloco.frags]}
 
 
@@ -257,6 +264,14 @@ def test_bucketing_and_init_sync() -> None:
 def test_replica_x_dp_mesh() -> None:
     out = _check({**BASE, "dp": 2, "steps": 6, "tau": 0, "H": 2}, 4)
     assert all(r[5] == "replica" for res in out for r in res["records"])
+
+
+def test_replica_x_dp_with_sharded_optimizer_inside() -> None:
+    """2 replicas x 2 dp ranks, each replica training with ShardedAdamW (several small buckets) inside:
+    bit-equal to the simulation with plain AdamW on the replica's averaged gradient."""
+    out = _check({**BASE, "dp": 2, "steps": 6, "tau": 1, "H": 4, "inner": "sharded"}, 4)
+    assert all(r[5] == "replica" for res in out for r in res["records"])
+    assert all(res["inner_ops"] == [("reduce_scatter", "dp")] for res in out)  # grads went the sharded way
 
 
 # ------------------------------------------------------------------------------------ the trainer
