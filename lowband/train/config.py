@@ -136,7 +136,9 @@ class DilocoConfig:
     """Streaming DiLoCo (``strategy.name = "diloco"``); see docs/diloco.md."""
 
     num_replicas: int = 0
-    """Replica groups; 0 = one per rank. world_size / num_replicas ranks per replica run DDP inside."""
+    """Replica groups; 0 = one per rank. world_size / num_replicas ranks per replica train together."""
+    inner: str = "ddp"
+    """Data parallelism inside a replica: ddp (torch DDP + AdamW) | sharded-adamw (lowband's sharded AdamW)."""
     sync_every: int = 32
     """H: inner steps between two syncs of the same fragment."""
     fragments: int = 2
@@ -207,6 +209,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.muon_ns_method": ("ns5", "polar_express"),
     "optim.muon_ns_dtype": ("auto", "bfloat16", "float32", "float64"),
     "strategy.grad_wire_dtype": ("float32", "bfloat16"),
+    "diloco.inner": ("ddp", "sharded-adamw"),
     "strategy.param_wire_dtype": ("float32", "bfloat16"),
     "strategy.gtp_gather": ("native", "bf16", "fp8"),
     "strategy.tp_optimizer": ("rekls", "adamw"),

@@ -308,8 +308,6 @@ def _single_worker(cfg: Config) -> list[torch.Tensor]:
     return [p.detach().clone() for p in res.strategy.unwrapped().parameters()]
 
 
-
-
 @pytest.mark.parametrize(("world", "replicas"), [(2, 0), (4, 2)])
 def test_trainer_strategy_replicas_agree(shard: str, world: int, replicas: int) -> None:
     """``strategy.name = "diloco"``: every rank ends with the same global copies and outer state;
@@ -342,6 +340,24 @@ def test_trainer_strategy_replicas_agree(shard: str, world: int, replicas: int) 
             assert all(torch.equal(x, y) for x, y in zip(a, b))
     if dp == 1:  # different data per replica: local weights differ, global copies agree
         assert not all(torch.equal(x, y) for x, y in zip(out[0]["params"], out[1]["params"]))
+
+
+def test_trainer_sharded_inner_equals_ddp_inner(shard: str) -> None:
+    """``diloco.inner = "sharded-adamw"`` (2 replicas x 2 dp ranks, float64): the same global copies and
+    local weights as DDP + AdamW inside each replica (1e-10), with the inner gradients reduce-scattered."""
+    base = dict(num_replicas=2, sync_every=4, fragments=2, delay=1, wire="fp32")
+    ddp = run_ranks(_trainer_worker, 4, _tiny_trainer_config(shard, 4, **base), timeout=120)
+    sharded = run_ranks(_trainer_worker, 4, _tiny_trainer_config(shard, 4, inner="sharded-adamw", **base),
+                        timeout=120)
+    for a, b in zip(ddp, sharded):
+        assert a["committed"] == b["committed"] == 4
+        for ga, gb in zip(a["globals"], b["globals"]):
+            for x, y in zip(ga, gb):
+                torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-10)
+        for x, y in zip(a["params"], b["params"]):
+            torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-10)
+        assert any(r[0] == "reduce_scatter" and r[2] == "dp" for r in b["records"])
+        assert not any(r[0] == "reduce_scatter" for r in a["records"])
 
 
 def test_trainer_one_replica_alpha1_equals_single(shard: str) -> None:

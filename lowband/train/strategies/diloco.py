@@ -24,10 +24,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lowband.comm.codecs import CODECS
 from lowband.diloco import StreamingDiLoCo, replica_mesh
-from lowband.train.optimizers import torch_adamw
+from lowband.optim import ShardedOptimizer
+from lowband.train.optimizers import adamw_param_groups, torch_adamw
 from lowband.train.strategies import register_strategy
 from lowband.train.strategies.base import Strategy
 from lowband.train.strategies.ddp import wrap_ddp
+from lowband.train.strategies.sharded import _WIRE as _SHARDED_WIRE
 
 WIRES = tuple(c for c in CODECS if c != "fp64")
 
@@ -66,12 +68,22 @@ class DilocoStrategy(Strategy):
         d = self.cfg.diloco
         replicas = d.num_replicas or self.env.world_size
         self.mesh = replica_mesh(replicas, ledger=self.env.ledger)
-        if self.mesh.dp_size > 1:
+        self.sharded_inner = d.inner == "sharded-adamw"
+        if self.sharded_inner:
+            # Sharded AdamW over the replica's dp ranks; param_gather="step" so the DiLoCo post-hook reads
+            # the updated, all-gathered weights.
+            o, s = self.cfg.optim, self.cfg.strategy
+            self.model = model
+            self.optimizer = ShardedOptimizer(
+                [dict(g, algorithm="adamw") for g in adamw_param_groups(model, o.weight_decay)], lr=o.lr,
+                betas=(o.beta1, o.beta2), eps=o.eps, comm=self.mesh.dp, bucket_mb=s.bucket_mb,
+                grad_wire_dtype=_SHARDED_WIRE[s.grad_wire_dtype], param_gather="step")
+        elif self.mesh.dp_size > 1:
             self.model = wrap_ddp(model, self.env.device, self.mesh.dp, self.cfg)
         else:
             self.model = model
-        o = self.cfg.optim
-        self.optimizer = torch_adamw(model, o)
+        if not self.sharded_inner:
+            self.optimizer = torch_adamw(model, self.cfg.optim)
 
         def outer(params: list) -> torch.optim.Optimizer:
             return torch.optim.SGD(params, lr=d.outer_lr, momentum=d.outer_momentum,
@@ -84,14 +96,24 @@ class DilocoStrategy(Strategy):
 
     @contextlib.contextmanager
     def microbatch(self, last: bool) -> Iterator[None]:
-        if last or not isinstance(self.model, DistributedDataParallel):
+        if last:
             yield
-        else:
+        elif self.sharded_inner:
+            with self.optimizer.no_sync():
+                yield
+        elif isinstance(self.model, DistributedDataParallel):
             with self.model.no_sync():
                 yield
+        else:
+            yield
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        if self.sharded_inner:  # norm from the owned shards of the replica-averaged gradient
+            return float(self.optimizer.clip_grad_norm(max_norm if max_norm > 0 else float("inf")))
+        return super().clip_grad_norm(max_norm)
 
     def optimizer_state_bytes(self) -> int:
-        total = super().optimizer_state_bytes()
+        total = self.optimizer.state_bytes() if self.sharded_inner else super().optimizer_state_bytes()
         for o in self.diloco.outer:
             for state in o.state.values():
                 total += sum(v.numel() * v.element_size() for v in state.values()
@@ -119,6 +141,8 @@ class DilocoStrategy(Strategy):
         return self._ckpt
 
     def checkpoint_format(self) -> str | None:
+        if self.sharded_inner:
+            return None  # the checkpoint layout covers the DDP inner optimizer only (docs/checkpoints.md)
         return f"diloco-r{self.mesh.num_replicas}-v1"
 
     def state_dict(self) -> dict[str, Any]:
