@@ -16,6 +16,7 @@ bytes per step per rank by the ring model from the parameter sizes:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -26,6 +27,23 @@ from lowband.train.config import Config
 from lowband.train.env import DistEnv
 from lowband.train.optimizers import adamw_param_groups
 from lowband.train.trainer import build_model
+
+
+def _train_step(forward: nn.Module, model: nn.Module, opt: torch.optim.Optimizer, cfg: Config,
+                batches: Batches) -> Callable[[int], float]:
+    """One training step of a torch-native contender: forward/backward, global-norm clip, step."""
+
+    def step(i: int) -> float:
+        x, y = batches.get(i)
+        loss = forward(x, y)
+        loss.backward()
+        if cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss)
+
+    return step
 
 
 def _adamw_kwargs(cfg: Config) -> dict:
@@ -49,15 +67,7 @@ def zero_contender(cfg: Config, env: DistEnv, batches: Batches) -> Contender:
     n = env.world_size
     pbytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
-    def step(i: int) -> float:
-        x, y = batches.get(i)
-        loss = ddp(x, y)
-        loss.backward()
-        if cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, foreach=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss)
+    step = _train_step(ddp, model, opt, cfg, batches)
 
     def state_bytes() -> int:
         return sum(tensor_bytes(st.values()) for st in opt.optim.state.values())
@@ -89,15 +99,7 @@ def fsdp2_contender(cfg: Config, env: DistEnv, batches: Batches) -> Contender:
     fully_shard(model, reshard_after_forward=False)
     opt = torch.optim.AdamW(adamw_param_groups(model, cfg.optim.weight_decay), foreach=True, **_adamw_kwargs(cfg))
 
-    def step(i: int) -> float:
-        x, y = batches.get(i)
-        loss = model(x, y)
-        loss.backward()
-        if cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, foreach=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss)
+    step = _train_step(model, model, opt, cfg, batches)
 
     def state_bytes() -> int:
         return sum(tensor_bytes(_local(v) for v in st.values()) for st in opt.state.values())

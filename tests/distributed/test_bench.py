@@ -47,3 +47,20 @@ def _step_bytes(doc: dict) -> int:
     m = doc["config"]["model"]
     tensors = 2 + m["n_layer"] * 6 + 1  # tok_emb, lm_head, 6 per block (qkv, proj, fc, proj, 2 norms), final norm
     return tensors * 4
+
+
+def test_dp_suite_torch_contenders_agree(tmp_path: Path) -> None:
+    """ddp, ZeroRedundancyOptimizer, FSDP2 and sharded-adamw train the same model on the same batches:
+    same final loss; wire bytes per step as the ring model says for each (N = 2, S = fp32 param bytes)."""
+    out = tmp_path / "dp.json"
+    assert main(["dp", "--world", "2", "--repeats", "2", "--warmup", "1", "--out", str(out), "--n-layer", "1",
+                 "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--batch-size", "2",
+                 "--contenders", "ddp,zero,fsdp2,sharded-adamw"]) == 0
+    rows = {r["name"]: r for r in json.loads(out.read_text())["results"]}
+    s = json.loads(out.read_text())["config"]["params"] * 4
+    for name in ("zero", "fsdp2", "sharded-adamw"):
+        assert abs(rows[name]["final_loss"] - rows["ddp"]["final_loss"]) < 1e-5, name
+    assert rows["ddp"]["wire_bytes_per_step_per_rank"] == s  # all-reduce: 2(N-1)/N S
+    assert rows["zero"]["wire_bytes_per_step_per_rank"] == s + s // 2  # DDP all-reduce + parameter broadcast
+    assert rows["sharded-adamw"]["wire_bytes_per_step_per_rank"] == s + 4  # RS + AG + the clip-norm scalar
+    assert rows["sharded-adamw"]["optimizer_state_bytes_per_rank"] == s  # two moments over half the params
