@@ -62,6 +62,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -672,23 +673,31 @@ class GTPEmbedding(nn.Module):
                 f"gtp={self.runtime.size}")
 
 
-def shard_embeddings(model: nn.Module, runtime: GTPRuntime,
-                     include: Callable[[str, nn.Embedding], bool] | None = None) -> dict[str, GTPEmbedding]:
-    """Replace every plain ``nn.Embedding`` of ``model`` (in place) by a :class:`GTPEmbedding` copy."""
-    memo: dict[int, GTPEmbedding] = {}
-    done: dict[str, GTPEmbedding] = {}
+def _replace_modules(model: nn.Module, kind: type, make: Callable[[Any, str], Any],
+                     include: Callable[[str, Any], bool] | None) -> dict:
+    """Replace every module of exactly type ``kind`` (in place) by ``make(module, name)``; a module under
+    several names becomes one replacement. Returns ``{first name: replacement}``. No collective."""
+    memo: dict[int, Any] = {}
+    done: dict[str, Any] = {}
     for parent_name, parent in list(model.named_modules(remove_duplicate=False)):
         for child_name, child in list(parent._modules.items()):
-            if type(child) is not nn.Embedding:
+            if type(child) is not kind:
                 continue
             full = f"{parent_name}.{child_name}" if parent_name else child_name
             if include is not None and not include(full, child):
                 continue
             if id(child) not in memo:
-                memo[id(child)] = GTPEmbedding.from_embedding(child, runtime, name=full)
+                memo[id(child)] = make(child, full)
                 done[full] = memo[id(child)]
             setattr(parent, child_name, memo[id(child)])
     return done
+
+
+def shard_embeddings(model: nn.Module, runtime: GTPRuntime,
+                     include: Callable[[str, nn.Embedding], bool] | None = None) -> dict[str, GTPEmbedding]:
+    """Replace every plain ``nn.Embedding`` of ``model`` (in place) by a :class:`GTPEmbedding` copy."""
+    return _replace_modules(model, nn.Embedding,
+                            lambda m, name: GTPEmbedding.from_embedding(m, runtime, name=name), include)
 
 
 def shard_linears(model: nn.Module, runtime: GTPRuntime,
@@ -699,20 +708,8 @@ def shard_linears(model: nn.Module, runtime: GTPRuntime,
     ``{name: GTPLinear}`` by first name. ``include(name, linear)`` may exclude layers (they stay
     replicated). No collective.
     """
-    memo: dict[int, GTPLinear] = {}
-    done: dict[str, GTPLinear] = {}
-    for parent_name, parent in list(model.named_modules(remove_duplicate=False)):
-        for child_name, child in list(parent._modules.items()):
-            if type(child) is not nn.Linear:
-                continue
-            full = f"{parent_name}.{child_name}" if parent_name else child_name
-            if include is not None and not include(full, child):
-                continue
-            if id(child) not in memo:
-                memo[id(child)] = GTPLinear.from_linear(child, runtime, name=full)
-                done[full] = memo[id(child)]
-            setattr(parent, child_name, memo[id(child)])
-    return done
+    return _replace_modules(model, nn.Linear, lambda m, name: GTPLinear.from_linear(m, runtime, name=name),
+                            include)
 
 
 def is_gtp_param(p: torch.Tensor) -> bool:
