@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowband.model.bigram import HashedBigramEmbedding
+from lowband.plan import ModelPlan, ParallelLinear, SparseTableSpec
 
 INIT_STD = 0.02
 
@@ -228,6 +229,32 @@ class GPT(nn.Module):
             block.mlp.proj.weight.normal_(0.0, std_res, generator=generator)
         self.norm.weight.fill_(1.0)
         self.lm_head.weight.normal_(0.0, INIT_STD, generator=generator)
+
+    def lowband_plan(self) -> ModelPlan:
+        """What lowband's strategies need to know about this model (see :mod:`lowband.plan`).
+
+        Column-parallel ``attn.qkv`` (3 sections q|k|v, whole heads per rank) and ``mlp.fc``,
+        row-parallel ``attn.proj`` (whole heads) and ``mlp.proj``; sparse tables ``tok_emb`` (token ids)
+        and, when present, ``bigram`` (bigram hash); ``lm_head`` stays with AdamW under Muon; one
+        fragment unit per block, the embeddings and the final norm + head.
+        """
+        c = self.config
+        linears: list[ParallelLinear] = []
+        for i in range(c.n_layer):
+            b = f"blocks.{i}"
+            linears += [ParallelLinear(f"{b}.attn.qkv", "column", sections=3, granule=c.head_dim),
+                        ParallelLinear(f"{b}.attn.proj", "row", granule=c.head_dim),
+                        ParallelLinear(f"{b}.mlp.fc", "column"),
+                        ParallelLinear(f"{b}.mlp.proj", "row")]
+        tables = [SparseTableSpec("tok_emb", "tok_emb.weight", "none")]
+        if self.bigram is not None:
+            tables.append(SparseTableSpec("bigram", "bigram.weight", "bigram"))
+        units = ["tok_emb"] + (["bigram"] if self.bigram is not None else [])
+        units += [f"blocks.{i}" for i in range(c.n_layer)] + ["norm", "lm_head"]
+        return ModelPlan(parallel_linears=tuple(linears), sparse_tables=tuple(tables), adamw_only=("lm_head.weight",),
+                         fragment_units=tuple(units), vocab_size=c.vocab_size,
+                         tp_divisors={"model.n_head": c.n_head, "model.n_embd": c.n_embd,
+                                      "model.mlp_ratio * model.n_embd": c.mlp_ratio * c.n_embd})
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Number of parameters; with ``non_embedding`` the token and bigram tables are left out."""
