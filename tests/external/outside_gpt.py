@@ -140,7 +140,8 @@ def outside_plan(model: OutsideGPT) -> ModelPlan:
                      tp_divisors={"n_head": cfg.n_head, "n_embd": cfg.n_embd, "4 * n_embd": 4 * cfg.n_embd})
 
 
-def random_batch(step: int, rank: int, batch: int = 4, cfg: OutsideConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def random_batch(step: int, rank: int, batch: int = 4,
+                 cfg: OutsideConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A rank's deterministic (inputs, targets) for one step; the global batch is the ranks' union."""
     cfg = cfg or OutsideConfig()
     g = torch.Generator().manual_seed(1000 * step + rank)
