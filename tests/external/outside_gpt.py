@@ -29,6 +29,7 @@ class OutsideConfig:
     n_head: int = 2
     n_embd: int = 32
     bias: bool = True
+    tie: bool = True
 
 
 class SelfAttention(nn.Module):
@@ -85,7 +86,8 @@ class OutsideGPT(nn.Module):
             ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
         ))
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as nanoGPT does
+        if cfg.tie:
+            self.transformer.wte.weight = self.lm_head.weight  # weight tying, as nanoGPT does
         self.apply(self._init)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
@@ -122,7 +124,8 @@ def seeded_model(seed: int, rank: int = 0, cfg: OutsideConfig | None = None,
 
 def outside_plan(model: OutsideGPT) -> ModelPlan:
     """The plan a user writes for OutsideGPT: TP over c_attn (q|k|v, whole heads) / c_proj / c_fc, the
-    tied ``wte`` as the sparse table candidate (it is tied to lm_head: components must handle or refuse it)."""
+    ``wte`` as a sparse table (tied to lm_head when ``cfg.tie``: components must handle or refuse that);
+    with ``tie=False`` the untied ``lm_head`` stays with AdamW under Muon."""
     cfg = model.cfg
     head_dim = cfg.n_embd // cfg.n_head
     linears = []
@@ -136,7 +139,8 @@ def outside_plan(model: OutsideGPT) -> ModelPlan:
              "transformer.ln_f")
     return ModelPlan(parallel_linears=tuple(linears),
                      sparse_tables=(SparseTableSpec("wte", "transformer.wte.weight", "none"),),
-                     fragment_units=units, vocab_size=cfg.vocab_size,
+                     adamw_only=() if cfg.tie else ("lm_head.weight",),
+                     fragment_units=(*units, *(() if cfg.tie else ("lm_head",))), vocab_size=cfg.vocab_size,
                      tp_divisors={"n_head": cfg.n_head, "n_embd": cfg.n_embd, "4 * n_embd": 4 * cfg.n_embd})
 
 
