@@ -11,6 +11,7 @@ SUITES: dict[str, str] = {
     "dp": "lowband.bench.dp",
     "diloco": "lowband.bench.diloco",
     "gtp": "lowband.bench.gtp",
+    "link": "lowband.bench.link",
     "rekls": "lowband.bench.rekls",
     "sparse": "lowband.bench.sparse",
 }

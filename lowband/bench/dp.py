@@ -100,7 +100,8 @@ class StrategyContender:
 
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run), model=dataclasses.replace(cfg.model),
                                   data=dataclasses.replace(cfg.data), optim=dataclasses.replace(cfg.optim),
-                                  strategy=dataclasses.replace(cfg.strategy, name=self.strategy_name))
+                                  strategy=dataclasses.replace(cfg.strategy, name=self.strategy_name),
+                                  sharded=dataclasses.replace(cfg.sharded))
         for section, values in self.overrides.items():
             for k, v in values.items():
                 setattr(getattr(cfg, section), k, v)
@@ -141,8 +142,8 @@ CONTENDERS: dict[str, Callable[[Config, DistEnv, Batches], Contender]] = {
     "sharded-adamw-bf16": StrategyContender("sharded-adamw", "sharded-adamw-bf16",
                                             {"strategy": {"grad_wire_dtype": "bfloat16"}}),
     "sharded-adamw-bf16all": StrategyContender("sharded-adamw", "sharded-adamw-bf16all",
-                                               {"strategy": {"grad_wire_dtype": "bfloat16",
-                                                             "param_wire_dtype": "bfloat16"}}),
+                                               {"strategy": {"grad_wire_dtype": "bfloat16"},
+                                                "sharded": {"param_wire_dtype": "bfloat16"}}),
     "sharded-muon": StrategyContender("sharded-muon"),
     "zero": _lazy("lowband.bench.dp_torch", "zero_contender"),
     "fsdp2": _lazy("lowband.bench.dp_torch", "fsdp2_contender"),

@@ -3,7 +3,7 @@
 FSDP2 contender: ``fully_shard`` on every transformer block, then on the root, all with
 ``reshard_after_forward=True`` (ZeRO-3: gather in forward, re-gather in backward, reduce-scatter),
 torch AdamW (foreach) on the DTensor shards, ``clip_grad_norm_``. GTP contenders: the ``gtp``
-trainer strategy with ``gtp_size = world`` (every ``nn.Linear`` weight sharded, embeddings and norms
+trainer strategy with ``gtp.size = world`` (every ``nn.Linear`` weight sharded, embeddings and norms
 replicated), gather format native (fp32), bf16 or fp8 (e4m3, 32x32 blocks by default).
 
 Every contender trains its own copy of the same model on the same synthetic batches; steps alternate
@@ -126,8 +126,8 @@ def _gtp(gather: str, label: str) -> Callable[[Config, DistEnv, Batches], _Runne
     def make(cfg: Config, env: DistEnv, batches: Batches) -> _Runner:
         from lowband.train.strategies import get_strategy_class
 
-        cfg = dataclasses.replace(cfg, strategy=dataclasses.replace(cfg.strategy, name="gtp",
-                                                                    gtp_gather=gather))
+        cfg = dataclasses.replace(cfg, strategy=dataclasses.replace(cfg.strategy, name="gtp"),
+                                  gtp=dataclasses.replace(cfg.gtp, gather=gather))
         strat = get_strategy_class("gtp")(cfg, env)
         strat.setup(build_model(cfg, env.device))
         ledger = env.ledger
@@ -196,7 +196,7 @@ def run(env: DistEnv, opts: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"gtp suite: unknown contenders {unknown}; allowed: {', '.join(FACTORIES)}")
     cfg = bench_config({**opts, "bigram_rows": 0, "bucket_mb": 25.0}, env.world_size)
-    cfg.strategy.gtp_fp8_block = opts["fp8_block"]
+    cfg.gtp.fp8_block = opts["fp8_block"]
     batches = Batches(cfg, env)
     runners = {n: FACTORIES[n](cfg, env, batches) for n in names}
     counters = {n: 0 for n in names}

@@ -3,9 +3,9 @@ training step of the demo model under the sharded optimizer.
 
 Contenders (same model, seed and batches; steps alternate):
 
-* ``dense``: ``sparse_embeddings = ["bigram"]`` with ``sparse_mode = "dense"`` (the table is its own
+* ``dense``: ``sparse.tables = ["bigram"]`` with ``sparse.mode = "dense"`` (the table is its own
   row-aligned unit; its gradient travels by a dense reduce-scatter, tag ``sparse:bigram:dense``);
-* ``sparse``: the same with ``sparse_mode = "sparse"`` (count all-gather + index and row all-to-alls);
+* ``sparse``: the same with ``sparse.mode = "sparse"`` (count all-gather + index and row all-to-alls);
 * ``auto``: the density-adaptive choice.
 
 Each step passes the host batch to ``strategy.observe_batch`` first, as the trainer does. Reported per
@@ -67,7 +67,7 @@ def bench_config(opts: dict[str, Any], world: int) -> Config:
     cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.grad_clip = 3e-3, 0, 1.0
     cfg.strategy.name = opts["strategy"]
     cfg.strategy.grad_wire_dtype = opts["grad_wire_dtype"]
-    cfg.strategy.sparse_embeddings = ["bigram"]
+    cfg.sparse.tables = ["bigram"]
     return cfg
 
 
@@ -107,7 +107,7 @@ def run(env: DistEnv, opts: dict[str, Any]) -> dict[str, Any]:
     modes: dict[str, list[str]] = {n: [] for n in names}
     losses: dict[str, float] = {}
     for n in names:
-        c = dataclasses.replace(cfg, strategy=dataclasses.replace(cfg.strategy, sparse_mode=n))
+        c = dataclasses.replace(cfg, sparse=dataclasses.replace(cfg.sparse, mode=n))
         s = get_strategy_class(c.strategy.name)(c, env)
         s.setup(build_model(c, env.device))
         strategies[n] = s

@@ -20,7 +20,15 @@ codec       bytes per element      ``|x - decode(encode(x))|`` at most
 (``fp8``: e4m3fn has a 3-bit mantissa, so relative rounding ``2^-4`` in its normal range and an
 absolute ``2^-10`` (half its subnormal spacing ``2^-9``) below it, times the scale; ``int8``: symmetric
 rounding to 255 levels. The ``2^-20 |x|`` term covers the fp32 division and multiplication by the
-scale.) An all-zero block gets scale 1. Non-finite inputs give non-finite outputs.
+scale.) An all-zero block gets scale 1. Non-finite inputs give non-finite outputs (a block holding
+one gets a NaN scale).
+
+Below 8 bits, top-k and their compositions (``int4``, ``int2``, ``topk``, ``topk-int4``,
+``topk-int2``) are *message* codecs, in :mod:`lowband.comm.compress`, reduced by an all-gather of
+the messages (:func:`~lowband.comm.compress.gather_all_reduce`). :func:`get_wire` returns either kind
+by name, :func:`wire_all_reduce` reduces with either, :func:`wire_bytes_per_rank` states the exact
+ledger bytes of one reduction, and both reductions can hand back the sender's own encoding error
+(``residual_out``) for error feedback.
 
 :func:`codec_all_reduce` reduces a flat tensor over a :class:`~lowband.comm.Comm` with a codec on the
 wire: the buffer is padded to ``N`` chunks (each a multiple of the block size), every chunk encoded,
@@ -40,8 +48,21 @@ from dataclasses import dataclass
 import torch
 
 from lowband.comm.comm import Comm, CommHandle
+from lowband.comm.compress import (
+    DEFAULT_TOPK_CHUNK,
+    DEFAULT_TOPK_K,
+    MESSAGE_CODECS,
+    GatherHandle,
+    MessageCodec,
+    gather_all_reduce,
+    get_message_codec,
+    reference_gather_all_reduce,
+)
 
 CODECS = ("fp64", "fp32", "bf16", "fp8", "int8")
+WIRE_CODECS = CODECS + MESSAGE_CODECS
+"""Every wire format by name: the two-phase codecs, then the message codecs (below 8 bits, top-k)."""
+LOSSLESS = ("fp64", "fp32")
 DEFAULT_BLOCK_SIZE = 256
 
 
@@ -84,8 +105,10 @@ class Codec:
             raise ValueError(f"Codec {self.name}: row length {m} is not a multiple of block_size {b}")
         xb = x.to(torch.float32).reshape(rows, m // b, b)
         amax = xb.abs().amax(dim=2)
+        if not bool(torch.isfinite(xb).all()):  # keep a block's non-finite value visible in its scale
+            amax = torch.where(torch.isfinite(xb).all(dim=2), amax, torch.full_like(amax, float("nan")))
         scale = amax / self.qmax
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
         q = xb / scale.unsqueeze(2)
         if self.name == "fp8":
             q = q.clamp(-self.qmax, self.qmax).to(self.wire_dtype)
@@ -203,7 +226,8 @@ class CodecHandle:
 
 
 def codec_all_reduce(comm: Comm, flat: torch.Tensor, codec: Codec, *, op: str = "avg",
-                     async_op: bool = False, tag: str = "") -> CodecHandle:
+                     async_op: bool = False, tag: str = "",
+                     residual_out: torch.Tensor | None = None) -> CodecHandle:
     """Reduce the 1-D float tensor ``flat`` in place over ``comm`` with ``codec`` on the wire.
 
     Communication: one all-to-all of the encoded chunks (issued now; asynchronous with
@@ -219,6 +243,8 @@ def codec_all_reduce(comm: Comm, flat: torch.Tensor, codec: Codec, *, op: str = 
         op: ``"sum"`` or ``"avg"``.
         async_op: return before the collectives complete.
         tag: ledger tag of both collectives.
+        residual_out: if given (shape and dtype of ``flat``), receives ``flat - decode(encode(flat))``
+            of this rank's own phase-1 encoding (its chunk layout over ``N`` ranks), before the exchange.
     """
     if op not in ("sum", "avg"):
         raise ValueError(f"codec_all_reduce: op {op!r} not in ('sum', 'avg')")
@@ -231,6 +257,9 @@ def codec_all_reduce(comm: Comm, flat: torch.Tensor, codec: Codec, *, op: str = 
     padded = torch.zeros(n * chunk, dtype=flat.dtype, device=flat.device)
     padded[:numel].copy_(flat)
     send = codec.encode(padded.view(n, chunk))
+    if residual_out is not None:
+        own = codec.decode(send, chunk, flat.dtype).reshape(-1)[:numel]
+        torch.sub(flat, own, out=residual_out)
     recv = torch.empty_like(send)
     first = comm.all_to_all(recv, send, async_op=True, tag=tag)
     gathered = torch.empty(n, codec.encoded_nbytes(chunk), dtype=torch.uint8, device=flat.device)
@@ -280,3 +309,70 @@ def reference_all_reduce(inputs: Sequence[torch.Tensor], codec: Codec, op: str =
         acc.div_(n)
     out = codec.decode(codec.encode(acc), chunk, dtype).reshape(-1)
     return out[:numel].clone()
+
+
+WireCodec = Codec | MessageCodec
+
+
+def get_wire(name: str, block_size: int = DEFAULT_BLOCK_SIZE, topk_chunk: int = DEFAULT_TOPK_CHUNK,
+             topk_k: int = DEFAULT_TOPK_K) -> WireCodec:
+    """Any wire format by name (``WIRE_CODECS``): a :class:`Codec` or a message codec.
+
+    Raises:
+        ValueError: unknown name (listing every allowed one) or bad ``block_size`` / top-k settings.
+    """
+    if name in CODECS:
+        return get_codec(name, block_size)
+    if name in MESSAGE_CODECS:
+        return get_message_codec(name, block_size, topk_chunk, topk_k)
+    raise ValueError(f"wire codec {name!r} is not supported; allowed: {list(WIRE_CODECS)}")
+
+
+def wire_all_reduce(comm: Comm, flat: torch.Tensor, codec: WireCodec, *, op: str = "avg",
+                    async_op: bool = False, tag: str = "",
+                    residual_out: torch.Tensor | None = None) -> CodecHandle | GatherHandle:
+    """:func:`codec_all_reduce` for a :class:`Codec`, :func:`~lowband.comm.compress.gather_all_reduce`
+    for a message codec (same arguments, same guarantees: bitwise-identical results on every rank)."""
+    if isinstance(codec, Codec):
+        return codec_all_reduce(comm, flat, codec, op=op, async_op=async_op, tag=tag, residual_out=residual_out)
+    return gather_all_reduce(comm, flat, codec, op=op, async_op=async_op, tag=tag, residual_out=residual_out)
+
+
+def reference_wire_all_reduce(inputs: Sequence[torch.Tensor], codec: WireCodec, op: str = "avg") -> torch.Tensor:
+    """Single-process reference of :func:`wire_all_reduce`: what every rank ends with."""
+    if isinstance(codec, Codec):
+        return reference_all_reduce(inputs, codec, op)
+    return reference_gather_all_reduce(inputs, codec, op)
+
+
+def wire_bytes_per_rank(codec: WireCodec, numel: int, n: int) -> int:
+    """Exact ledger wire bytes per rank of one :func:`wire_all_reduce` of ``numel`` elements over ``n``.
+
+    Two-phase codec: ``2 (N-1)/N`` of the encoded padded buffer (all-to-all + all-gather); message
+    codec: ``(N-1) * message_nbytes(numel)`` (all-gather).
+    """
+    if n == 1:
+        return 0
+    if isinstance(codec, Codec):
+        chunk = chunk_layout(numel, n, codec)
+        per_chunk = codec.encoded_nbytes(chunk)
+        return 2 * (n - 1) * per_chunk
+    return (n - 1) * codec.message_nbytes(numel)
+
+
+def is_lossless(codec: WireCodec, dtype: torch.dtype) -> bool:
+    """Whether ``codec`` carries ``dtype`` values exactly (then error feedback has nothing to keep)."""
+    return codec.name == "fp64" or (codec.name == "fp32" and dtype == torch.float32)
+
+
+def sender_roundtrip(codec: WireCodec, flat: torch.Tensor, n: int) -> torch.Tensor:
+    """``decode(encode(flat))`` of a sender's own encoding in :func:`wire_all_reduce` over ``n`` ranks
+    (the two-phase codecs encode chunk by chunk of the ``n``-rank layout); ``flat - `` this is the
+    ``residual_out`` of the reduction. Single-process; for references and tests."""
+    numel = flat.numel()
+    if isinstance(codec, Codec):
+        chunk = chunk_layout(numel, n, codec)
+        padded = torch.zeros(n * chunk, dtype=flat.dtype, device=flat.device)
+        padded[:numel].copy_(flat.reshape(-1))
+        return codec.decode(codec.encode(padded.view(n, chunk)), chunk, flat.dtype).reshape(-1)[:numel]
+    return codec.decode(codec.encode(flat.reshape(-1)), numel, flat.dtype)

@@ -13,7 +13,7 @@ gradient gives.
 Per step (``N`` ranks, ``U_r`` = unique rows touched on rank ``r``):
 
 1. **Host, before/while forward.** :class:`RowTracker` collects the rows the step's microbatches
-   touch straight from the input tokens (token ids, or :func:`lowband.model.bigram.bigram_hash_np` for
+   touch straight from the input tokens (token ids, or :func:`lowband.comm.bigram_hash.bigram_hash_np` for
    the hashed bigram table), as a ``np.unique`` union over microbatches. Out-of-range token ids are
    recorded, not raised (see *Bad input*).
 2. **Counts (one tiny collective).** :meth:`SparseRowExchange.plan` all-gathers one int64 row per rank:
@@ -66,6 +66,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from lowband.comm.bigram_hash import bigram_hash_np
 from lowband.comm.comm import Comm
 from lowband.comm.ledger import ring_wire_bytes
 
@@ -102,8 +103,8 @@ class RowTracker:
     Args:
         table: the table's name (used in error messages and ledger tags), e.g. ``"bigram"``.
         rows: table height.
-        hash: ``"none"`` (rows are the token ids themselves, e.g. ``tok_emb``) or ``"bigram"`` (rows
-            are :func:`lowband.model.bigram.bigram_hash_np` of the tokens along the last dimension).
+        hash: ``"none"`` (rows are the token ids themselves, an ordinary token embedding) or ``"bigram"`` (rows
+            are :func:`lowband.comm.bigram_hash.bigram_hash_np` of the tokens along the last dimension).
         vocab_size: valid token ids are ``[0, vocab_size)``; defaults to ``rows`` for ``hash="none"``;
             for ``"bigram"`` ``None`` means any id (the hash maps every int64 into range).
 
@@ -155,7 +156,6 @@ class RowTracker:
                 min(self.bad_range[0], blo), max(self.bad_range[1], bhi))
             return
         if self.hash == "bigram":
-            from lowband.model.bigram import bigram_hash_np
             idx = bigram_hash_np(arr, self.rows)
         else:
             idx = arr.astype(np.int64, copy=False)

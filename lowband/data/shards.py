@@ -107,3 +107,57 @@ def load_tokens(pattern: str | os.PathLike) -> np.ndarray:
     if len(arrays) == 1:
         return arrays[0]
     return np.concatenate(arrays)
+
+
+def _stats_cache_dir() -> Path:
+    return Path(os.environ.get("LOWBAND_CACHE_DIR", Path.home() / ".cache" / "lowband")) / "shard-stats"
+
+
+def shard_max_token(path: str | os.PathLike, cache: bool = True) -> int:
+    """The largest token id in shard ``path`` (-1 for an empty shard), from one scan, cached.
+
+    The cache is one small JSON file per shard under ``$LOWBAND_CACHE_DIR`` (or ``~/.cache/lowband``)
+    ``/shard-stats/``, keyed by the shard's real path, size and modification time, so a rewritten shard
+    is scanned again. An unwritable cache only costs the scan.
+
+    Raises:
+        ShardError: the shard is missing or malformed.
+    """
+    import hashlib
+    import json
+
+    real = Path(path).resolve()
+    tokens = read_shard(real)
+    st = real.stat()
+    key = {"path": str(real), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    entry = _stats_cache_dir() / (hashlib.sha1(str(real).encode()).hexdigest() + ".json")
+    if cache:
+        try:
+            rec = json.loads(entry.read_text())
+            if all(rec.get(k) == v for k, v in key.items()) and isinstance(rec.get("max_id"), int):
+                return rec["max_id"]
+        except (OSError, ValueError):
+            pass
+    max_id = int(tokens.max()) if tokens.size else -1
+    if cache:
+        try:
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".stats.", dir=entry.parent)
+            with os.fdopen(fd, "w") as f:
+                json.dump(dict(key, max_id=max_id), f)
+            os.replace(tmp, entry)
+        except OSError:
+            pass
+    return max_id
+
+
+def shard_paths(pattern: str | os.PathLike) -> list[Path]:
+    """The shards matching glob ``pattern``, sorted (what :func:`load_tokens` reads).
+
+    Raises:
+        ShardError: nothing matches.
+    """
+    paths = sorted(glob.glob(os.fspath(pattern)))
+    if not paths:
+        raise ShardError(f"{pattern}: no token shard files match this pattern")
+    return [Path(p) for p in paths]

@@ -4,6 +4,7 @@
 * :mod:`~lowband.diloco.fragments`: split a model into fragments, validate user-given ones;
 * :mod:`~lowband.diloco.outer`: the outer step's math (pseudo-gradient, outer step, merge);
 * :mod:`~lowband.diloco.streaming`: :class:`StreamingDiLoCo`, the distribution (inner optimizer hook);
+* :mod:`~lowband.diloco.state`: the one state format (DCP-ready) and :class:`DilocoCheckpoint`;
 * :mod:`~lowband.diloco.membership`: static membership and the replica x dp mesh.
 * :mod:`~lowband.diloco.ft`: fault-tolerant membership through torchft (optional extra ``ft``).
 """
@@ -12,8 +13,9 @@ from lowband.diloco.fragments import Fragment, split_fragments
 from lowband.diloco.membership import ReplicaMesh, StaticMembership, replica_mesh
 from lowband.diloco.outer import default_outer_optimizer
 from lowband.diloco.schedule import ScheduleConfig, actions_at, fragment_for, plan, validate_schedule
+from lowband.diloco.state import DilocoCheckpoint
 from lowband.diloco.streaming import StreamingDiLoCo
 
-__all__ = ["Fragment", "ReplicaMesh", "ScheduleConfig", "StaticMembership", "StreamingDiLoCo",
+__all__ = ["DilocoCheckpoint", "Fragment", "ReplicaMesh", "ScheduleConfig", "StaticMembership", "StreamingDiLoCo",
            "actions_at", "default_outer_optimizer", "fragment_for", "plan", "replica_mesh",
            "split_fragments", "validate_schedule"]

@@ -1,12 +1,20 @@
 """Split a model into Streaming DiLoCo fragments and validate user-given fragments.
 
-A fragment is an ordered list of the model's parameters that is synchronised as one unit. Default
-split (:func:`split_fragments` with an int): the model's parameters in registration order are
-grouped into *units*, one per block of its largest ``nn.ModuleList`` (a transformer's blocks) and one
-per other module owning parameters directly (embeddings, final norm, head); the units are then cut
-into ``n`` consecutive runs of about equal element count. User-given fragments (modules or lists of
-parameters) are checked: every fragment non-empty, no parameter in two fragments, every trainable
-parameter in some fragment, nothing foreign to the model.
+A fragment is an ordered list of the model's parameters that is synchronised as one unit. Split
+with an int (:func:`split_fragments`): the model's parameters in registration order are grouped into
+*units*, then the units are cut into ``n`` consecutive runs of about equal element count. The units
+come from the model plan's ``fragment_units`` (:class:`lowband.plan.ModelPlan`, ordered module
+prefixes; every trainable parameter must fall under exactly one prefix, by any of its names) when
+the model has one, else from the default rule: one unit per block of the model's largest
+``nn.ModuleList`` (a transformer's blocks) and one per other module owning parameters directly
+(embeddings, final norm, head). User-given fragments (modules or lists of parameters) are checked:
+every fragment non-empty, no parameter in two fragments, every trainable parameter in some fragment,
+nothing foreign to the model.
+
+Tied / shared parameters (one tensor under several names, e.g. a token embedding tied to the output
+head; :func:`lowband.plan.tied_groups`) are one parameter to DiLoCo: they sit in one fragment, under
+their first name, and are synced once. A user-given split that puts a tied parameter's modules in two
+fragments is refused, naming all of its names.
 """
 
 from __future__ import annotations
@@ -16,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from lowband.plan import ModelPlan, plan_for, tied_names
 
 
 @dataclass
@@ -83,14 +93,42 @@ def _balanced_cuts(sizes: list[int], n: int) -> list[int]:
     return cuts
 
 
+def _plan_units(model: nn.Module, params: list[tuple[str, nn.Parameter]],
+                units: Sequence[str]) -> list[list[tuple[str, nn.Parameter]]]:
+    """Group ``params`` by the plan's ordered unit prefixes (a parameter goes to the first unit any of
+    its names falls under); ``ValueError`` naming a parameter under no unit, or an empty unit."""
+    all_names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        all_names.setdefault(id(p), []).append(name)
+    groups: list[list[tuple[str, nn.Parameter]]] = [[] for _ in units]
+    for name, p in params:
+        hit = None
+        for nm in all_names[id(p)]:
+            for j, u in enumerate(units):
+                if nm == u or nm.startswith(u + "."):
+                    hit = j if hit is None else min(hit, j)
+        if hit is None:
+            raise ValueError(f"diloco fragments: parameter {name!r} is under none of the plan's fragment_units "
+                             f"{list(units)}; every trainable parameter must be in one unit")
+        groups[hit].append((name, p))
+    empty = [u for u, g in zip(units, groups, strict=True) if not g]
+    if empty:
+        raise ValueError(f"diloco fragments: the plan's fragment_units {empty} hold no trainable parameter of "
+                         "their own (tied parameters count once, under their first unit)")
+    return groups
+
+
 def split_fragments(model: nn.Module,
-                    fragments: int | Sequence[nn.Module | Iterable[nn.Parameter]]) -> list[Fragment]:
+                    fragments: int | Sequence[nn.Module | Iterable[nn.Parameter]],
+                    plan: ModelPlan | None = None) -> list[Fragment]:
     """Return the model's fragments.
 
     Args:
         model: the model (its weights as they will be trained).
-        fragments: the number of fragments for the default consecutive split, or a list of modules
-            and/or lists of parameters, one per fragment.
+        fragments: the number of fragments for the consecutive split, or a list of modules and/or
+            lists of parameters, one per fragment.
+        plan: the model's plan (default :func:`lowband.plan.plan_for`); its ``fragment_units``, when
+            set, replace the default unit rule of the consecutive split.
 
     Raises:
         ValueError: naming the problem (too many fragments for the model's units, an empty fragment,
@@ -104,7 +142,9 @@ def split_fragments(model: nn.Module,
                         f"{type(fragments).__name__}")
     if isinstance(fragments, int):
         trainable = [(n, p) for n, p in named if p.requires_grad]
-        units = _units(model, trainable)
+        plan = plan if plan is not None else plan_for(model)
+        units = (_units(model, trainable) if plan.fragment_units is None
+                 else _plan_units(model, trainable, plan.fragment_units))
         if fragments < 1 or fragments > len(units):
             raise ValueError(f"diloco num_fragments={fragments} must be in [1, {len(units)}] for this model "
                              f"({len(units)} consecutive units: blocks and other parameters)")
@@ -142,7 +182,10 @@ def split_fragments(model: nn.Module,
                 continue
             seen.add(id(p))
             if id(p) in owner:
-                raise ValueError(f"diloco fragments overlap: parameter {name_of[id(p)]!r} is in fragments "
+                tied = tied_names(model).get(name_of[id(p)])
+                also = f" (tied: {tied}; a tied parameter is synced once, so give its modules one fragment)" \
+                    if tied else ""
+                raise ValueError(f"diloco fragments overlap: parameter {name_of[id(p)]!r}{also} is in fragments "
                                  f"{owner[id(p)]} and {i}")
             owner[id(p)] = i
             frag.names.append(name_of[id(p)])

@@ -21,7 +21,15 @@ and the user's ``state_dict`` / ``load_state_dict`` for the model and inner opti
 
 State reads by a healing peer are blocked during the inner optimizer step (pre-hook
 ``disallow_state_dict_read``, post-hook ``allow_state_dict_read``), as in torchft's DiLoCo.
-Only the ``fp32`` wire is supported in this mode (torchft's quantized all-reduce needs CUDA+Triton).
+Only the ``fp32`` wire is supported in this mode (torchft's quantized all-reduce needs CUDA+Triton;
+lowband's message codecs need an all-gather that ``torchft.Manager`` does not offer).
+
+Error feedback under faults (the rule, implemented in :class:`~lowband.diloco.StreamingDiLoCo` for
+any membership): a replica's residual for a fragment changes only when that fragment's sync
+**commits**; a rolled-back attempt (``should_commit()`` False) keeps the previous residual, so the
+retry re-sends the dropped mass; a replica **healed** from a peer (``load_outer_state``) restarts its
+residuals at zero (the residual is private to a replica, never copied from a peer, whose own dropped
+mass would then be sent twice). With the fp32 wire of this mode residuals are zero anyway.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lowband.comm import CommLedger, default_ledger
-from lowband.comm.codecs import Codec
+from lowband.comm.codecs import WireCodec
 from lowband.comm.ledger import CommRecord, ring_wire_bytes
 
 if TYPE_CHECKING:
@@ -104,8 +112,12 @@ class TorchftMembership:
         self.manager.start_quorum()
         diloco.committed = self.manager.current_step()
 
-    def all_reduce(self, flat: torch.Tensor, codec: Codec, tag: str) -> _WorkHandle:
+    def all_reduce(self, flat: torch.Tensor, codec: WireCodec, tag: str,
+                   residual_out: torch.Tensor | None = None) -> _WorkHandle:
         import time
+
+        if residual_out is not None:  # fp32 is exact for fp32 buffers; error feedback is then off anyway
+            residual_out.zero_()
 
         t0 = time.perf_counter()
         n = self.manager.num_participants()

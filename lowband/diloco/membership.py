@@ -18,8 +18,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from lowband.comm import Comm, CommLedger, new_group
-from lowband.comm.codecs import Codec, CodecHandle, codec_all_reduce
+from lowband.comm import Comm, CommLedger
+from lowband.comm.codecs import CodecHandle, WireCodec, wire_all_reduce
+from lowband.comm.compress import GatherHandle
+from lowband.parallel.mesh import ParallelMesh, build_mesh
 
 
 class StaticMembership:
@@ -28,8 +30,11 @@ class StaticMembership:
     The membership interface :class:`~lowband.diloco.StreamingDiLoCo` drives: ``attach(diloco)`` once,
     ``start_quorum(diloco)`` before each prepare, ``all_reduce(flat, codec, tag)`` per bucket (returns
     a handle with ``poll()`` and ``wait()``), ``should_commit()`` at each sync; optional
-    ``before_step()`` / ``after_step()`` around every inner step. ``uniform_schedule`` says whether
-    every replica must use the same ``sync_every`` (checked at construction).
+    ``before_step()`` / ``after_step()`` around every inner step. With error feedback on,
+    ``all_reduce`` is called with ``residual_out=`` (a tensor shaped like ``flat`` to receive this
+    replica's own encoding error); a membership without that keyword supports no error feedback.
+    ``uniform_schedule`` says whether every replica must use the same ``sync_every`` (checked at
+    construction).
     """
 
     name = "static"
@@ -44,9 +49,12 @@ class StaticMembership:
     def start_quorum(self, diloco: object) -> None:
         """No quorum: the replicas are fixed."""
 
-    def all_reduce(self, flat: torch.Tensor, codec: Codec, tag: str) -> CodecHandle:
-        """Average ``flat`` over the replicas with ``codec`` on the wire (asynchronous)."""
-        return codec_all_reduce(self.comm, flat, codec, op="avg", async_op=True, tag=tag)
+    def all_reduce(self, flat: torch.Tensor, codec: WireCodec, tag: str,
+                   residual_out: torch.Tensor | None = None) -> CodecHandle | GatherHandle:
+        """Average ``flat`` over the replicas with ``codec`` on the wire (asynchronous); ``residual_out``
+        receives this replica's own encoding error (error feedback)."""
+        return wire_all_reduce(self.comm, flat, codec, op="avg", async_op=True, tag=tag,
+                               residual_out=residual_out)
 
     def should_commit(self) -> bool:
         """Always: a failing collective raises (process-group timeout) instead."""
@@ -55,15 +63,19 @@ class StaticMembership:
 
 @dataclass
 class ReplicaMesh:
-    """This rank's place in the replica x dp mesh.
+    """This rank's place in the replica x dp mesh: a view of a :class:`lowband.parallel.mesh.ParallelMesh`.
+
+    lowband has one mesh class, ``ParallelMesh`` (``replica x dp x gtp x tp``); DiLoCo uses it with
+    ``gtp = tp = 1`` and this view keeps DiLoCo's names for the same groups.
 
     Attributes:
-        replica: index of this rank's replica group.
-        dp_rank: this rank's rank inside its replica.
-        num_replicas: number of replica groups.
-        dp_size: ranks per replica.
-        dp: Comm over the ranks of this replica (name ``"dp"``).
-        cross: Comm over the ranks with this dp rank in every replica (name ``"replica"``).
+        replica: index of this rank's replica group (``mesh.coords.replica``).
+        dp_rank: this rank's rank inside its replica (``mesh.coords.dp``).
+        num_replicas: number of replica groups (``mesh.shape.replica``).
+        dp_size: ranks per replica (``mesh.shape.dp``).
+        dp: Comm over the ranks of this replica (name ``"dp"``; ``mesh.dp``).
+        cross: Comm over the ranks with this dp rank in every replica (name ``"replica"``; ``mesh.replica``).
+        mesh: the underlying ``ParallelMesh`` (``None`` only for a hand-built view).
     """
 
     replica: int
@@ -72,6 +84,16 @@ class ReplicaMesh:
     dp_size: int
     dp: Comm
     cross: Comm
+    mesh: ParallelMesh | None = None
+
+    @classmethod
+    def from_parallel_mesh(cls, mesh: ParallelMesh) -> ReplicaMesh:
+        """The DiLoCo view of ``mesh`` (raises ``ValueError`` if it has GTP or TP axes)."""
+        if mesh.shape.gtp != 1 or mesh.shape.tp != 1:
+            raise ValueError(f"ReplicaMesh: DiLoCo's mesh is replica x dp; got gtp={mesh.shape.gtp}, "
+                             f"tp={mesh.shape.tp}")
+        return cls(mesh.coords.replica, mesh.coords.dp, mesh.shape.replica, mesh.shape.dp, mesh.dp, mesh.replica,
+                   mesh)
 
 
 def replica_mesh(num_replicas: int, *, ledger: CommLedger | None = None,
@@ -87,17 +109,5 @@ def replica_mesh(num_replicas: int, *, ledger: CommLedger | None = None,
             or world % num_replicas:
         raise ValueError(f"diloco num_replicas={num_replicas!r} must be a positive divisor of the world "
                          f"size {world}")
-    dp_size = world // num_replicas
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if not dist.is_initialized():
-        return ReplicaMesh(0, 0, 1, 1, Comm(name="dp", ledger=ledger), Comm(name="replica", ledger=ledger))
-    dp_comm = cross_comm = None
-    for r in range(num_replicas):  # every rank creates every group, in the same order
-        c = new_group([r * dp_size + d for d in range(dp_size)], "dp", ledger=ledger, timeout=timeout)
-        dp_comm = c or dp_comm
-    for d in range(dp_size):
-        c = new_group([r * dp_size + d for r in range(num_replicas)], "replica", ledger=ledger,
-                      timeout=timeout)
-        cross_comm = c or cross_comm
-    assert dp_comm is not None and cross_comm is not None
-    return ReplicaMesh(rank // dp_size, rank % dp_size, num_replicas, dp_size, dp_comm, cross_comm)
+    mesh = build_mesh(replica=num_replicas, dp=world // num_replicas, ledger=ledger, timeout=timeout)
+    return ReplicaMesh.from_parallel_mesh(mesh)

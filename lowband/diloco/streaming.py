@@ -17,10 +17,23 @@ one all-gather of the encoded pseudo-gradient (``2 (N-1)/N`` of the encoded byte
 parameter from replica 0 (``init_sync``), and one ``all_gather_object`` (tag ``validate``) checking
 that every replica has the same settings and fragment shapes.
 
+With a message codec (``int4``, ``int2``, ``topk``, ``topk-int4``, ``topk-int2``) each bucket is one
+all-gather of every replica's message instead (``(N-1)`` messages per rank). **Error feedback**
+(default on for lossy codecs below 8 bits and top-k, off for the torchft-compatible fp32/bf16/fp8/int8
+unless asked): each replica adds its fragment's residual ``e`` to the pseudo-gradient before encoding
+and keeps ``e' = (g + e) - decode(encode(g + e))`` (its own message's encoding error) for that
+fragment's next sync; ``e'`` replaces ``e`` only when the sync commits (a rolled-back attempt keeps
+``e``), and a replica healed from a peer starts with ``e = 0`` (its own dropped mass went with its
+discarded local work). **Non-finite guard**: the averaged pseudo-gradient (bitwise the same on every
+replica) is checked at the sync; if any element is NaN/inf every replica raises ``FloatingPointError``
+naming the fragment, before the outer step, and nothing is applied.
+
 State layout: per fragment, a global copy of its parameters on ``backup_device`` (default CPU, pinned
-when the model is on CUDA) and one outer optimizer over those copies (so its state, e.g. SGD
-momentum, lives there too); the counters ``committed`` and ``local_step``. The inner optimizer and
-the model are never replaced; the model's weights are written in place at each sync.
+when the model is on CUDA), one outer optimizer over those copies (so its state, e.g. SGD momentum,
+lives there too) and, with error feedback, the residual (one flat buffer in the pseudo-gradient's
+dtype, on ``backup_device``); the counters ``committed`` and ``local_step``. The inner optimizer and
+the model are never replaced; the model's weights are written in place at each sync. The one state
+format is :meth:`StreamingDiLoCo.state_dict` (:mod:`lowband.diloco.state`), DCP-ready.
 """
 
 from __future__ import annotations
@@ -33,7 +46,8 @@ import torch
 from torch import nn
 
 from lowband.comm import Comm
-from lowband.comm.codecs import CODECS, DEFAULT_BLOCK_SIZE, get_codec
+from lowband.comm.codecs import DEFAULT_BLOCK_SIZE, WIRE_CODECS, get_wire, is_lossless
+from lowband.comm.compress import DEFAULT_TOPK_CHUNK, DEFAULT_TOPK_K, MESSAGE_CODECS
 from lowband.diloco.fragments import Fragment, split_fragments
 from lowband.diloco.membership import StaticMembership
 from lowband.diloco.outer import (
@@ -44,6 +58,9 @@ from lowband.diloco.outer import (
     pseudo_gradient_into,
 )
 from lowband.diloco.schedule import PREPARE, SYNC, ScheduleConfig, actions_at, fragment_for
+from lowband.plan import ModelPlan
+
+INIT_SYNC = (True, False, "broadcast", "verify")
 
 
 @dataclass
@@ -51,12 +68,20 @@ class _InFlight:
     fragment: int
     flat: torch.Tensor
     handles: list[Any]
+    residual: torch.Tensor | None = None  # the error-feedback residual this attempt leaves if it commits
+    own_finite: bool = True
 
 
 def _bucket_bounds(numel: int, cap_elems: int | None) -> list[tuple[int, int]]:
     if cap_elems is None or cap_elems >= numel:
         return [(0, numel)]
     return [(s, min(s + cap_elems, numel)) for s in range(0, numel, cap_elems)]
+
+
+def _checksum(t: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
 class StreamingDiLoCo:
@@ -67,26 +92,41 @@ class StreamingDiLoCo:
         inner_optimizer: the model's optimizer; a step post-hook is registered on it.
         comm: the cross-replica group (same dp rank in every replica); ``None`` = a 1-rank Comm.
         sync_every: H, inner steps between two syncs of the same fragment.
-        fragments: number of fragments (default consecutive split) or a list of modules / parameter
-            lists (see :func:`lowband.diloco.fragments.split_fragments`).
+        fragments: number of fragments (consecutive split of the units: the plan's ``fragment_units``
+            when the model has a plan, else the default rule) or a list of modules / parameter lists
+            (see :func:`lowband.diloco.fragments.split_fragments`). Tied parameters are synced once.
         delay: tau, inner steps between a fragment's prepare and its sync, in ``[0, H / n)``.
         alpha: merge weight of the local weights after a sync, in ``[0, 1]`` (0 = pure global).
         outer_optimizer: a factory ``params -> Optimizer`` used for every fragment, or a list of n
             factories (one per fragment); default SGD lr 0.7 momentum 0.9 Nesterov.
-        wire: pseudo-gradient wire codec: ``fp32``, ``bf16``, ``fp8``, ``int8`` (or ``fp64``).
-        block_size: elements per scale for ``fp8``/``int8``.
+        wire: pseudo-gradient wire codec, one of ``lowband.comm.codecs.WIRE_CODECS``: ``fp32``,
+            ``bf16``, ``fp8``, ``int8`` (two-phase all-reduce, ``fp64`` for tests) or ``int4``,
+            ``int2``, ``topk``, ``topk-int4``, ``topk-int2`` (all-gather of messages).
+        block_size: elements per fp32 scale for ``fp8``/``int8``/``int4``/``int2`` (and the values of
+            ``topk-int*``).
+        topk_chunk: top-k chunk (a power of two; offsets travel in ``log2`` of it bits).
+        topk_k: values kept per chunk.
+        error_feedback: keep each fragment's encoding residual and add it to its next pseudo-gradient;
+            ``None`` (default) = on for the message codecs, off for the others.
         bucket_cap_mb: split a fragment's flat pseudo-gradient into buckets of at most this many MiB
             (of the fp32/fp64 buffer); ``None`` = one bucket per fragment.
-        backup_device: where global copies and outer state live (default CPU).
-        init_sync: broadcast the weights from replica 0 at construction so all replicas start equal.
+        backup_device: where global copies, outer state and residuals live (default CPU).
+        init_sync: how replicas start equal (models seeded per rank, nanoGPT style, start different):
+            ``True`` / ``"broadcast"`` (default) broadcast every fragment parameter from replica 0;
+            ``"verify"`` compare checksums and raise ``ValueError`` on every replica naming the first
+            parameter that differs; ``False`` trust the caller.
         membership: who takes part in a sync; default :class:`StaticMembership` over ``comm``; or
             :class:`lowband.diloco.ft.TorchftMembership` (quorum, healing, rollback and retry).
+        plan: the model's :class:`~lowband.plan.ModelPlan` (default: ``lowband.plan.plan_for(model)``);
+            only ``fragment_units`` is used.
 
     Raises:
         ValueError: naming the value: H < n, n not dividing H, tau outside ``[0, H/n)``, alpha outside
-            ``[0, 1]``, a list of outer optimizers of the wrong length, overlapping fragments,
-            fragments leaving trainable parameters out, an unknown wire codec, settings that differ
-            between replicas. All local checks run before any collective.
+            ``[0, 1]``, a list of outer optimizers of the wrong length, overlapping fragments (a tied
+            parameter in two fragments named with all its names), fragments leaving trainable
+            parameters out, an unknown wire codec or codec setting, settings that differ between
+            replicas, weights that differ between replicas under ``init_sync="verify"``. All local
+            checks run before any collective.
     """
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, *,
@@ -95,23 +135,29 @@ class StreamingDiLoCo:
                  alpha: float = 0.0,
                  outer_optimizer: OuterOptimizerFactory | Sequence[OuterOptimizerFactory] | None = None,
                  wire: str = "fp32", block_size: int = DEFAULT_BLOCK_SIZE,
+                 topk_chunk: int = DEFAULT_TOPK_CHUNK, topk_k: int = DEFAULT_TOPK_K,
+                 error_feedback: bool | None = None,
                  bucket_cap_mb: float | None = None, backup_device: str | torch.device = "cpu",
-                 init_sync: bool = True, membership: Any = None) -> None:
+                 init_sync: bool | str = True, membership: Any = None, plan: ModelPlan | None = None) -> None:
         # ---- local validation (identical on every rank, before any collective)
         if not isinstance(model, nn.Module):
             raise TypeError(f"diloco model must be an nn.Module, got {type(model).__name__}")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise TypeError(f"diloco inner_optimizer must be a torch.optim.Optimizer, got "
                             f"{type(inner_optimizer).__name__}")
-        self.frags: list[Fragment] = split_fragments(model, fragments)
+        self.frags: list[Fragment] = split_fragments(model, fragments, plan=plan)
         n = len(self.frags)
         self.schedule = ScheduleConfig(n, sync_every, delay)
         if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0.0 <= float(alpha) <= 1.0:
             raise ValueError(f"diloco alpha={alpha!r} is not in [0, 1]")
         self.alpha = float(alpha)
-        if wire not in CODECS:
-            raise ValueError(f"diloco wire={wire!r} is not supported; allowed: {list(CODECS)}")
-        self.codec = get_codec(wire, block_size)
+        if wire not in WIRE_CODECS:
+            raise ValueError(f"diloco wire={wire!r} is not supported; allowed: {list(WIRE_CODECS)}")
+        self.codec = get_wire(wire, block_size, topk_chunk, topk_k)
+        if error_feedback is not None and not isinstance(error_feedback, bool):
+            raise TypeError(f"diloco error_feedback must be True, False or None (auto), got {error_feedback!r}")
+        if init_sync not in INIT_SYNC or (isinstance(init_sync, int) and not isinstance(init_sync, bool)):
+            raise ValueError(f"diloco init_sync={init_sync!r} is not one of {list(INIT_SYNC)}")
         cap = bucket_cap_mb
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int | float) or cap <= 0):
             raise ValueError(f"diloco bucket_cap_mb={bucket_cap_mb!r} must be a positive number or None")
@@ -140,20 +186,35 @@ class StreamingDiLoCo:
             None if bucket_cap_mb is None else max(1, int(bucket_cap_mb * 2**20) // (8 if dt == torch.float64
                                                                                         else 4))
             for dt in self.buffer_dtypes]
+        if error_feedback is None:
+            error_feedback = wire in MESSAGE_CODECS
+        self.error_feedback = bool(error_feedback) and not all(is_lossless(self.codec, dt)
+                                                               for dt in self.buffer_dtypes)
 
         # ---- cross-replica checks and initial sync (collectives, every rank alike)
         schedule = (sync_every, delay) if getattr(self.membership, "uniform_schedule", True) else ()
-        signature = (n, *schedule, self.alpha, wire, self.codec.block_size, bucket_cap_mb,
+        signature = (n, *schedule, self.alpha, wire, self.codec.block_size, topk_chunk, topk_k,
+                     self.error_feedback, bucket_cap_mb, str(init_sync),
                      [[tuple(p.shape) for p in f.params] for f in self.frags],
                      [[str(p.dtype) for p in f.params] for f in self.frags])
         self.comm.agree(signature, "diloco settings and fragment shapes")
-        if init_sync and self.comm.size > 1:
+        if init_sync == "verify" and self.comm.size > 1:
+            sums = [(name, _checksum(p)) for f in self.frags for name, p in zip(f.names, f.params, strict=True)]
+            everyone = self.comm.all_gather_object(sums, tag="diloco:init")
+            for j, (name, _) in enumerate(sums):
+                if any(other[j][1] != everyone[0][j][1] for other in everyone):
+                    who = [r for r, other in enumerate(everyone) if other[j][1] != everyone[0][j][1]]
+                    raise ValueError(f"diloco init_sync='verify': parameter {name!r} differs between replicas "
+                                     f"(replica 0 vs {who}); seed every replica alike or use "
+                                     "init_sync='broadcast'")
+        elif init_sync in (True, "broadcast") and self.comm.size > 1:
             with torch.no_grad():
                 for f in self.frags:
                     for p in f.params:
                         self.comm.broadcast(p.data, src=0, tag="diloco:init")
+        self.init_sync = init_sync
 
-        # ---- state: global copies and per-fragment outer optimizers on the backup device
+        # ---- state: global copies, per-fragment outer optimizers, residuals on the backup device
         pin = self.backup_device.type == "cpu" and torch.cuda.is_available() and any(
             p.is_cuda for f in self.frags for p in f.params)
         self.globals: list[list[torch.Tensor]] = []
@@ -167,9 +228,13 @@ class StreamingDiLoCo:
             self.globals.append(copies)
         self.outer: list[torch.optim.Optimizer] = [fac(g) for fac, g in zip(factories, self.globals,
                                                                            strict=True)]
+        self.residuals: list[torch.Tensor | None] = [
+            torch.zeros(f.numel, dtype=dt, device=self.backup_device) if self.error_feedback else None
+            for f, dt in zip(self.frags, self.buffer_dtypes, strict=True)]
         self.committed = 0
         self.local_step = 0
         self._inflight: _InFlight | None = None
+        self.dcp_meshes: dict = {}  # (device type, replicas, dp) -> DeviceMesh of the per-replica state rows
         self._on_sync: list[Callable[[StreamingDiLoCo, int], None]] = []
         self._on_attempt: list[Callable[[StreamingDiLoCo, int, bool], None]] = []
         self.membership.attach(self)
@@ -190,6 +255,11 @@ class StreamingDiLoCo:
     @property
     def delay(self) -> int:
         return self.schedule.delay
+
+    @property
+    def in_flight(self) -> int | None:
+        """The fragment whose all-reduce is in flight (between prepare and sync), else ``None``."""
+        return None if self._inflight is None else self._inflight.fragment
 
     def add_sync_callback(self, fn: Callable[[StreamingDiLoCo, int], None]) -> None:
         """Call ``fn(self, fragment)`` after every committed sync (tests, logging)."""
@@ -213,8 +283,10 @@ class StreamingDiLoCo:
             if action == PREPARE:
                 self._prepare()
             elif action == SYNC:
-                self._sync()
-                self.local_step = 0
+                try:
+                    self._sync()
+                finally:
+                    self.local_step = 0
 
     def _prepare(self) -> None:
         self.membership.start_quorum(self)  # may heal this replica and move self.committed
@@ -223,27 +295,51 @@ class StreamingDiLoCo:
         device = frag.params[0].device
         flat = torch.empty(frag.numel, dtype=self.buffer_dtypes[i], device=device)
         pseudo_gradient_into(flat, self.globals[i], frag.params)
-        handles = [self.membership.all_reduce(flat[s:e], self.codec, f"diloco:frag{i}")
-                   for s, e in _bucket_bounds(flat.numel(), self.bucket_cap_elems[i])]
-        self._inflight = _InFlight(i, flat, handles)
+        residual = self.residuals[i]
+        new_residual = None
+        if residual is not None:
+            flat.add_(residual.to(device))
+            new_residual = torch.empty_like(flat)
+        own_finite = bool(torch.isfinite(flat).all())
+        handles = []
+        for s, e in _bucket_bounds(flat.numel(), self.bucket_cap_elems[i]):
+            if new_residual is None:  # memberships without error-feedback support keep working
+                handles.append(self.membership.all_reduce(flat[s:e], self.codec, f"diloco:frag{i}"))
+            else:
+                handles.append(self.membership.all_reduce(flat[s:e], self.codec, f"diloco:frag{i}",
+                                                          residual_out=new_residual[s:e]))
+        self._inflight = _InFlight(i, flat, handles, new_residual, own_finite)
+
+    def _wait_inflight(self) -> None:
+        if self._inflight is not None:
+            for h in self._inflight.handles:  # same order on every rank
+                h.wait()
+            self._inflight.handles = []
 
     def _sync(self) -> None:
         inflight = self._inflight
         i = fragment_for(self.committed, self.num_fragments)
         if inflight is None or inflight.fragment != i:
             raise RuntimeError(f"diloco: sync of fragment {i} without a matching prepare")
-        for h in inflight.handles:
-            h.wait()
+        self._wait_inflight()
         self._inflight = None
+        if not bool(torch.isfinite(inflight.flat).all()):  # the same bits on every replica: all raise
+            own = "finite" if inflight.own_finite else "NOT finite"
+            raise FloatingPointError(
+                f"diloco: the averaged pseudo-gradient of fragment {i} ({self.frags[i].names[0]!r}...) has "
+                f"non-finite values (this replica's own was {own}); an inner step diverged on some replica. "
+                "Nothing was applied; lower the inner lr, clip gradients or skip non-finite inner steps")
         if not self.membership.should_commit():
             with torch.no_grad():  # roll back to the last agreed weights; the same fragment retries
                 for p, g in zip(self.frags[i].params, self.globals[i], strict=True):
                     p.copy_(g)
-            for fn in self._on_attempt:
+            for fn in self._on_attempt:  # the residual stays: the attempt's message was not applied
                 fn(self, i, False)
             return
         outer_step(self.outer[i], self.globals[i], inflight.flat)
         merge_(self.frags[i].params, self.globals[i], self.alpha)
+        if inflight.residual is not None:
+            self.residuals[i].copy_(inflight.residual)  # type: ignore[union-attr]
         self.committed += 1
         for fn in self._on_attempt:
             fn(self, i, True)
@@ -252,53 +348,47 @@ class StreamingDiLoCo:
 
     # ------------------------------------------------------------------------------ state dict
     def state_dict(self) -> dict[str, Any]:
-        """Counters, global copies and outer optimizer states (not the model or inner optimizer).
+        """This replica's DiLoCo state in the one documented format (:mod:`lowband.diloco.state`).
 
-        Raises:
-            RuntimeError: while a fragment's all-reduce is in flight (between prepare and sync).
+        Keys never depend on the rank or the world size; an in-flight fragment is waited for (a
+        collective completion: call on every replica at the same inner step, as for any checkpoint)
+        and stored averaged. Per-replica entries (error-feedback residuals) are ``DTensor`` rows on a
+        ``(replica, dp)`` mesh when there are several replicas, so ``torch.distributed.checkpoint``
+        saves every replica's own; the rest is identical on every rank and plain.
         """
-        if self._inflight is not None:
-            raise RuntimeError("diloco state_dict: fragment "
-                               f"{self._inflight.fragment} is in flight (local_step={self.local_step}); "
-                               "take the state at a local step before prepare or right after a sync")
-        return {"committed": self.committed, "local_step": self.local_step,
-                "globals": [[g.detach().clone() for g in gs] for gs in self.globals],
-                "outer": [o.state_dict() for o in self.outer]}
+        from lowband.diloco.state import diloco_state_dict
+
+        return diloco_state_dict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load :meth:`state_dict` output (after ``dcp.load`` into a :meth:`state_dict` template, or a
+        ``torch.load``-ed one); raises ``ValueError`` naming a key that does not fit this instance."""
+        from lowband.diloco.state import load_diloco_state_dict
+
+        load_diloco_state_dict(self, state)
 
     def outer_state(self) -> dict[str, Any]:
-        """Global copies and outer optimizer states only (what a healing replica copies)."""
+        """Global copies and outer optimizer states only (what a healing replica copies from a peer)."""
         return {"globals": [[g.detach().clone() for g in gs] for gs in self.globals],
                 "outer": [o.state_dict() for o in self.outer]}
 
     def load_outer_state(self, state: dict[str, Any]) -> None:
+        """Heal from a peer's :meth:`outer_state`; this replica's error-feedback residuals restart at 0."""
         with torch.no_grad():
             for gs, saved in zip(self.globals, state["globals"], strict=True):
                 for g, s in zip(gs, saved, strict=True):
                     g.copy_(s)
+            for r in self.residuals:
+                if r is not None:
+                    r.zero_()
         for o, s in zip(self.outer, state["outer"], strict=True):
             o.load_state_dict(s)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if len(state["globals"]) != self.num_fragments:
-            raise ValueError(f"diloco load_state_dict: {len(state['globals'])} fragments in the state, "
-                             f"{self.num_fragments} here")
-        with torch.no_grad():
-            for gs, saved in zip(self.globals, state["globals"], strict=True):
-                for g, s in zip(gs, saved, strict=True):
-                    g.copy_(s)
-        for o, s in zip(self.outer, state["outer"], strict=True):
-            o.load_state_dict(s)
-        self.committed = int(state["committed"])
-        self.local_step = int(state["local_step"])
-        self._inflight = None
 
     # --------------------------------------------------------------------------------- cleanup
     def close(self) -> None:
         """Remove the hook (an in-flight all-reduce is waited for and dropped)."""
-        if self._inflight is not None:
-            for h in self._inflight.handles:
-                h.wait()
-            self._inflight = None
+        self._wait_inflight()
+        self._inflight = None
         for h in self._hooks:
             h.remove()
         self._hooks = []

@@ -4,6 +4,13 @@ only the slice each rank owns, and all-gather the updated parameters, overlapped
 Communication pattern (per step, per unit, N = data-parallel world size; see
 :mod:`lowband.optim.buckets` for the layout):
 
+0. **Construction.** One ``all_gather_object`` (``tag="validate"``) checks that shapes and settings
+   agree; then ``init_sync=True`` (default) broadcasts rank 0's parameters (one broadcast per unit of
+   its flat parameter buffer, one coalesced broadcast per dtype of frozen parameters and, with
+   ``module=``, of the module's other parameters and buffers; ``tag="init_sync"``), or
+   ``init_sync="verify"`` all-gathers one integer checksum per tensor and raises naming the first
+   tensor that differs.
+
 1. **Backward.** A post-accumulate-grad hook per parameter copies ``p.grad`` into its unit's flat
    gradient buffer. When every member of a unit has been copied, and every earlier unit has been
    launched, the unit's ``reduce_scatter(op="avg", wire_dtype=fp32|bf16, async_op=True, tag="grad:*")``
@@ -30,7 +37,10 @@ adds one all-reduce of one scalar.
 
 State layout per rank: AdamW ``exp_avg``/``exp_avg_sq`` of ``numel / N`` elements per bucket (the
 owned shard, accumulation dtype: fp32, or fp64 for fp64 parameters) plus an integer step; Muon a
-``momentum_buffer`` ``[real_owned, rows, cols]`` per unit. ``self.state`` is keyed by unit index.
+``momentum_buffer`` ``[real_owned, rows, cols]`` per unit; ``master`` (fp32 copy of the owned slice)
+where parameters travel or are stored narrower than fp32. ``self.state`` is keyed by unit index;
+:meth:`ShardedOptimizer.state_dict` presents it per parameter as ``Shard(0)`` DTensors for torch DCP
+(:mod:`lowband.optim.sharded_state`), :meth:`ShardedOptimizer.shard_state_dict` as the raw shard.
 Parameters become views into the flat parameter buffers (``p.data`` is re-pointed at construction),
 so the all-gather writes the parameters in place; gradients stay in ``p.grad`` (local, not averaged;
 the averaged, possibly clipped, gradient lives in the owned shard).
@@ -68,10 +78,18 @@ from lowband.optim.buckets import (
     plan_muon_units,
 )
 from lowband.optim.muon import muon_update_, validate_muon_hparams
-from lowband.optim.sparse_rows import SparseTable, SparseTableUnit, plan_row_units, validate_sparse_tables
+from lowband.optim.sparse_rows import (
+    SparseTable,
+    SparseTableUnit,
+    check_untied,
+    plan_row_units,
+    validate_sparse_tables,
+)
 
 ALGORITHMS = ("adamw", "muon")
 PARAM_GATHER = ("step", "forward")
+INIT_SYNC = (True, False, "verify")
+LR_RATIO_RTOL = 1e-6  # a schedule multiplies every lr by one factor: ratios agree to rounding (~1e-16)
 GRAD_WIRE_DTYPES = (None, torch.float32, torch.bfloat16)
 _WIRE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
                "bfloat16": torch.bfloat16}
@@ -79,6 +97,23 @@ _WIRE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bf
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _checksum(t: torch.Tensor) -> tuple[int, int]:
+    """Order-independent integer checksum of a tensor's bits (equal bits give equal sums on any CPU or
+    GPU: integer sums wrap exactly, whatever the reduction order), plus its numel."""
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.dtype.is_complex:
+        flat = torch.view_as_real(flat).reshape(-1)
+    if flat.dtype == torch.bool:
+        bits = flat.to(torch.int64)
+    else:
+        bits = flat.view(_BITS[flat.element_size()]).to(torch.int64)
+    weights = torch.arange(flat.numel(), dtype=torch.int64, device=flat.device) * 2654435761 % 1000003 + 1
+    return int((bits * weights).sum()), flat.numel()
 
 
 class _Unit:
@@ -118,6 +153,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ``ns_steps``, ``ns_dtype``; 2-D parameters only). Hyperparameters are read from the group at step
     time, so LR schedulers work. Groups cannot be added after construction.
 
+    **Per-group lr.** Every group's ``lr`` is its own: a Muon group's ``lr`` is Muon's (typically
+    ~0.02), an AdamW group's is AdamW's (typically ~3e-4). Scale them together (``LambdaLR``, or
+    ``g["lr"] = opt.base_lrs[i] * factor``). When Muon and AdamW groups are mixed, :meth:`step` raises
+    ``ValueError`` (before any collective) if the groups' lrs no longer keep the ratio they were built
+    with (relative tolerance 1e-6; all lrs 0 is allowed): the common loop
+    ``for g in opt.param_groups: g["lr"] = lr`` would otherwise run Muon at the AdamW lr.
+    ``lr_ratio_check=False`` turns the check off for deliberately different per-group schedules.
+
+    **Initial weights.** Data parallelism needs every rank to start from the same weights, while
+    scripts often seed per rank (``seed + rank``). ``init_sync=True`` (default) broadcasts rank 0's
+    parameters at construction (one broadcast per unit of the flat parameter buffer, then one coalesced
+    broadcast per dtype of frozen parameters and, with ``module=``, the module's other parameters and
+    buffers; ``tag="init_sync"``); ``"verify"`` instead all-gathers an integer checksum per tensor and
+    raises ``ValueError`` on every rank naming the first tensor that differs; ``False`` trusts the caller.
+
+    **Checkpoints.** :meth:`state_dict` / :meth:`load_state_dict` are torch-DCP ready (per-parameter
+    ``Shard(0)`` DTensors, any world size: ``get_state_dict`` / ``set_state_dict`` / ``dcp.save`` /
+    ``dcp.load`` work); :meth:`full_state_dict` is the whole state in ``torch.optim`` format on every
+    rank; :meth:`shard_state_dict` is this rank's raw shard (same layout only). A model plus optimizer
+    as one flat dict: :class:`lowband.optim.sharded_state.ShardedStateLayout`.
+
     Args:
         params: tensors or param-group dicts.
         lr, betas, eps, weight_decay: AdamW defaults (``weight_decay`` also Muon's default).
@@ -140,11 +196,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             of :mod:`lowband.comm.sparse` (see :meth:`observe_tokens`, docs/sparse.md).
         sparse_mode: ``"auto"`` | ``"sparse"`` | ``"dense"`` for those tables.
         sparse_count_comm: gloo :class:`Comm` for their count all-gather (default ``comm``).
+        init_sync: ``True`` (broadcast from rank 0), ``False``, or ``"verify"`` (see above).
+        lr_ratio_check: refuse a step whose Muon/AdamW lrs lost their construction ratio (see above).
 
     Raises:
         ValueError: bad hyperparameters, a parameter in two groups, ``bucket_mb <= 0``, Muon on a
-            tensor that is not 2-D (all before any collective), or parameters that differ between
-            ranks (checked once with ``comm.agree``, on every rank alike).
+            tensor that is not 2-D, a sparse table tied to another parameter of ``module`` (all before
+            any collective), parameter shapes or settings that differ between ranks (checked once with
+            ``comm.agree``, on every rank alike), or, with ``init_sync="verify"``, parameter values that
+            differ between ranks.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -154,7 +214,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  grad_wire_dtype: torch.dtype | str | None = None,
                  param_wire_dtype: torch.dtype | str | None = None, module: nn.Module | None = None,
                  param_gather: str = "step", sparse_tables: Iterable[SparseTable] = (),
-                 sparse_mode: str = "auto", sparse_count_comm: Comm | None = None) -> None:
+                 sparse_mode: str = "auto", sparse_count_comm: Comm | None = None,
+                 init_sync: bool | str = True, lr_ratio_check: bool = True) -> None:
+        if not (init_sync is True or init_sync is False or init_sync == "verify"):
+            raise ValueError(f"ShardedOptimizer: init_sync={init_sync!r} is not allowed; allowed: True "
+                             "(broadcast from rank 0), False (trust the caller), 'verify' (checksum, raise)")
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0 \
                 or not math.isfinite(bucket_mb):
             raise ValueError(f"ShardedOptimizer: bucket_mb must be a positive number of MiB "
@@ -180,6 +244,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                              f"allowed: {list(ALGORITHMS)}")
         sparse_tables = list(sparse_tables)
         validate_sparse_tables(sparse_tables, sparse_mode, "ShardedOptimizer")
+        if module is not None:
+            check_untied(module, sparse_tables, "ShardedOptimizer")
         groups = self._normalize_groups(params)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, algorithm=algorithm,
                         momentum=momentum, nesterov=nesterov, ns_method=ns_method, ns_steps=ns_steps,
@@ -195,6 +261,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.param_gather = param_gather
         self.require_backward_grad_sync = True
         self.last_grad_norm: torch.Tensor | None = None
+        self.init_sync = init_sync
+        self.lr_ratio_check = bool(lr_ratio_check)
+        self._base_lrs = [float(g["lr"]) for g in self.param_groups]
 
         all_params = [p for g in self.param_groups for p in g["params"]]
         fingerprint = ([(gi, g["algorithm"], tuple(p.shape), str(p.dtype), p.device.type, p.requires_grad)
@@ -202,7 +271,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                        [repr(sorted((k, repr(v)) for k, v in g.items() if k != "params"))
                         for g in self.param_groups],
                        self.bucket_mb, str(grad_wire_dtype), str(param_wire_dtype), param_gather,
-                       [(t.name, tuple(t.param.shape), t.hash, t.vocab_size) for t in sparse_tables], sparse_mode)
+                       [(t.name, tuple(t.param.shape), t.hash, t.vocab_size) for t in sparse_tables], sparse_mode,
+                       init_sync, self.lr_ratio_check)
         self.comm.agree(fingerprint, "ShardedOptimizer parameters (group, algorithm, shape, dtype, "
                                      "requires_grad) and settings")
 
@@ -237,6 +307,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._next_launch = 0
         self._gathers: dict[int, CommHandle] = {}
         self._hooks: list[Any] = []
+        self._sync_initial(module, all_params)
         for ui, unit in enumerate(self._units):
             for mi, p in enumerate(unit.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(ui, mi)))
@@ -299,6 +370,94 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         raise ValueError(f"{where}: algorithm='muon' handles 2-D matrices, but params[{pi}] "
                                          f"has shape {tuple(p.shape)}; give embeddings, heads and "
                                          "1-D parameters to an algorithm='adamw' group")
+
+    # ------------------------------------------------------------------------- initial sync
+    @staticmethod
+    def _named_state(module: nn.Module | None, params: list[torch.Tensor],
+                     groups: list[dict]) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor the initial sync covers, named: the optimizer's parameters, then (with a module)
+        the module's other parameters and its buffers, each tensor once."""
+        names: dict[int, str] = {}
+        if module is not None:
+            for n, p in module.named_parameters():
+                names.setdefault(id(p), n)
+        out, seen = [], set()
+        for gi, g in enumerate(groups):
+            for pi, p in enumerate(g["params"]):
+                out.append((names.get(id(p), f"param_groups[{gi}]['params'][{pi}]"), p))
+                seen.add(id(p))
+        if module is not None:
+            for n, p in module.named_parameters():
+                if id(p) not in seen:
+                    out.append((n, p))
+                    seen.add(id(p))
+            for n, b in module.named_buffers():
+                if id(b) not in seen:
+                    out.append((f"buffer {n}", b))
+                    seen.add(id(b))
+        return out
+
+    @torch.no_grad()
+    def _sync_initial(self, module: nn.Module | None, params: list[torch.Tensor]) -> None:
+        """``init_sync``: broadcast parameters (flat buffers) and buffers from rank 0, or verify them."""
+        if self.comm.size == 1 or self.init_sync is False:
+            return
+        named = self._named_state(module, params, self.param_groups)
+        if self.init_sync == "verify":
+            mine = [_checksum(t) for _n, t in named]
+            everyone = self.comm.all_gather_object(mine, tag="init_sync")
+            for i, (n, t) in enumerate(named):
+                if any(e[i] != everyone[0][i] for e in everyone):
+                    ranks = [r for r, e in enumerate(everyone) if e[i] != everyone[0][i]]
+                    raise ValueError(
+                        f"ShardedOptimizer(init_sync='verify'): {n} (shape {tuple(t.shape)}) differs between "
+                        f"ranks (rank 0 vs ranks {ranks}; first differing tensor of {len(named)}). Data-parallel "
+                        "training needs equal initial weights: seed every rank alike, or use init_sync=True to "
+                        "broadcast rank 0's weights")
+            return
+        in_units = set()
+        for unit in self._units:  # parameters in units are views of the flat buffers: one broadcast each
+            self.comm.broadcast(unit.param_buf, 0, tag="init_sync")
+            in_units.update(id(p) for p in unit.params)
+        rest: dict[tuple, list[torch.Tensor]] = {}
+        for _n, t in named:
+            if id(t) not in in_units and t.numel() > 0:
+                rest.setdefault((t.dtype, t.device), []).append(t)
+        for tensors in rest.values():  # frozen parameters, buffers: one coalesced broadcast per dtype
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            self.comm.broadcast(flat, 0, tag="init_sync")
+            off = 0
+            for t in tensors:
+                t.copy_(flat[off:off + t.numel()].view_as(t))
+                off += t.numel()
+
+    # ------------------------------------------------------------------------- learning rates
+    @property
+    def base_lrs(self) -> list[float]:
+        """Each group's lr at construction (or as last loaded from a state dict): the reference the
+        lr-ratio check compares the current lrs against."""
+        return list(self._base_lrs)
+
+    def _check_lrs(self) -> None:
+        """Raise if Muon and AdamW groups no longer keep their construction lr ratio (see class doc)."""
+        if not self.lr_ratio_check or len({g["algorithm"] for g in self.param_groups}) < 2:
+            return
+        lrs = [float(g["lr"]) for g in self.param_groups]
+        if all(lr == 0 for lr in lrs):  # warmup at 0, or torch DCP's lr=0 initialization step
+            return
+        factors = [lr / base if base > 0 else (1.0 if lr == 0 else math.inf)
+                   for lr, base in zip(lrs, self._base_lrs)]
+        lo, hi = min(factors), max(factors)
+        if math.isfinite(hi) and hi - lo <= LR_RATIO_RTOL * max(abs(hi), abs(lo)):
+            return
+        desc = "; ".join(f"group {gi} ({g['algorithm']}): {base:g} -> {lr:g}"
+                         for gi, (g, lr, base) in enumerate(zip(self.param_groups, lrs, self._base_lrs)))
+        raise ValueError(
+            "ShardedOptimizer.step: the param groups' lrs no longer keep the ratio they were built with "
+            f"({desc}). Muon and AdamW groups carry separate lrs; a loop that sets one lr on every group runs "
+            "Muon at the AdamW lr. Scale each group's own lr instead (g['lr'] = base_lr * factor with "
+            "base_lr from opt.base_lrs, or torch.optim.lr_scheduler.LambdaLR), or pass lr_ratio_check=False "
+            "if different schedules per group are intended")
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_constructed", False):
@@ -383,7 +542,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._gathers.pop(ui).wait()
 
     def wait_for_params(self) -> None:
-        """Wait for every in-flight parameter all-gather (``param_gather="forward"`` mode)."""
+        """Wait for every in-flight parameter all-gather (``param_gather="forward"`` mode).
+
+        Purely local (no new collective): the all-gathers were issued by :meth:`step` on every rank
+        alike, so waiting for them on a subset of ranks is safe. After it the parameters are whole on
+        every rank, so an evaluation forward on rank 0 only (with or without ``no_grad``) runs no
+        collective: the forward pre-hooks only wait for gathers already in flight, and the gradient
+        hooks fire only under backward (a rank-0-only backward would desynchronize the ranks; call
+        :meth:`zero_grad` after it, on that rank, and before the next training step).
+        """
         self._wait_gathers()
 
     def _reset_step(self) -> None:
@@ -400,6 +567,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 unit.rs.wait()
         self._reset_step()
         super().zero_grad(set_to_none=set_to_none)
+
+    def discard_step(self) -> None:
+        """Skip this step's update: no parameter or state changes (e.g. a non-finite loss or gradient norm).
+
+        Waits for every reduce-scatter launched by backward hooks (so no collective is left in flight
+        and every rank stays in step), drops the reduced gradients and sparse-table bookkeeping, and
+        sets ``p.grad = None``. Issues no collective of its own. Call it on every rank alike (decide
+        with one agreed flag, e.g. :class:`lowband.train.guards.NonFiniteGuard`); a rank that calls
+        :meth:`step` while another calls this deadlocks in the parameter all-gather. Equivalent to
+        ``zero_grad(set_to_none=True)``, named for what it guarantees.
+        """
+        self.zero_grad(set_to_none=True)
+
+    def buffer_bytes(self) -> int:
+        """Bytes of this optimizer's persistent communication buffers on this rank: the flat gradient
+        buffers and the reduced gradient shards (parameters live in the flat parameter buffers, so
+        they count as parameters)."""
+        return sum(u.grad_buf.numel() * u.grad_buf.element_size()
+                   + u.grad_shard.numel() * u.grad_shard.element_size() for u in self._units)
 
     # ------------------------------------------------------------------------------ clipping
     @torch.no_grad()
@@ -441,6 +627,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_lrs()
         self._wait_gathers()
         self._launch_remaining()
         rank = self.comm.rank
@@ -468,7 +655,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         narrower than they are stored (bf16 gather of fp32 params) or are stored narrower than fp32,
         an fp32 master copy of the owned slice kept in ``state["master"]``."""
         acc = unit.grad_shard.dtype
-        if own.dtype == acc and self._param_wire(unit) == own.dtype:
+        if not self._needs_master(unit):
             return own
         if "master" not in state:
             state["master"] = own.to(acc).clone()
@@ -564,33 +751,111 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for k, v in saved.items():
                 if k != "params":
                     g[k] = tuple(v) if k == "betas" else v
+        lrs = [float(g["lr"]) for g in self.param_groups]
+        if any(lr != 0 for lr in lrs):  # the saved lrs carry the ratio the run was using
+            self._base_lrs = lrs
 
     # ---------------------------------------------------------------------------- state dicts
+    @torch.no_grad()
     def state_dict(self) -> dict:  # type: ignore[override]
+        """The optimizer state for ``torch.distributed.checkpoint`` (collective: call on every rank).
+
+        ``{"state": {param_index: {"step", "exp_avg", "exp_avg_sq"} | {"momentum_buffer"} (+ "master")},
+        "param_groups": [...]}`` in ``torch.optim`` numbering, each state tensor a ``Shard(0)`` DTensor
+        of the parameter's full shape over this optimizer's group (a plain tensor on one rank), ``step``
+        a float32 scalar; see :mod:`lowband.optim.sharded_state`. torch's
+        ``get_state_dict(model, opt)`` / ``set_state_dict`` and ``dcp.save`` / ``dcp.load`` work on it,
+        and reshard it to any world size. Every trainable parameter has an entry (what its first step
+        would create if it has not stepped). Communication: :meth:`full_state_dict`'s all-gathers.
+        For this rank's raw shard (no communication, same layout only) use :meth:`shard_state_dict`.
+        """
+        full = self.full_state_dict()
+        shard0 = self._shard0()
+        params = [p for g in self.param_groups for p in g["params"]]
+        state: dict[int, dict[str, Any]] = {}
+        for unit in self._units:
+            acc = unit.grad_shard.dtype
+            for m in unit.layout.members:
+                p = params[m.index]
+                st = full["state"].get(m.index)
+                if st is None:  # not stepped yet: what the first step creates
+                    zeros = torch.zeros(p.shape, dtype=acc, device=p.device)
+                    st = ({"step": torch.tensor(0.0), "exp_avg": zeros, "exp_avg_sq": zeros.clone()}
+                          if unit.layout.kind == "adamw" else {"momentum_buffer": zeros})
+                    if self._needs_master(unit):
+                        st["master"] = p.detach().to(acc)
+                state[m.index] = {k: (v.detach().to(torch.float32).clone() if k == "step" else
+                                      shard0.shard(v.reshape(p.shape))) for k, v in st.items()}
+        return {"state": dict(sorted(state.items())), "param_groups": full["param_groups"]}
+
+    def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
+        """Load a :meth:`state_dict` (collective when it holds DTensors: call on every rank), saved at
+        any world size, also as torch's ``set_state_dict`` hands it over (keys named by parameter
+        path); a plain ``torch.optim`` full state dict; or a :meth:`shard_state_dict` of this rank."""
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError("ShardedOptimizer.load_state_dict: expected a dict with 'state' and 'param_groups'")
+        if "sharding" in state_dict:
+            self.load_shard_state_dict(state_dict)
+            return
+        keyed = self._index_state(state_dict, "load_state_dict")
+        flat = {(i, k): v for i, st in keyed.items() for k, v in st.items()}
+        gathered = self._shard0().gather(flat)
+        full: dict[int, dict[str, Any]] = {}
+        for (i, k), v in gathered.items():
+            full.setdefault(i, {})[k] = v
+        groups = [dict(g, params=list(range(len(g["params"])))) for g in state_dict["param_groups"]]
+        self.load_full_state_dict({"state": full, "param_groups": groups, "_indexed": True})
+
+    def _shard0(self) -> Any:
+        from lowband.optim.sharded_state import Shard0
+
+        if getattr(self, "_shard0_cache", None) is None:
+            self._shard0_cache = Shard0(self.comm)
+        return self._shard0_cache
+
+    def _index_state(self, state_dict: dict, what: str) -> dict[int, dict]:
+        """``state`` keyed by flat parameter index: saved keys (ints, or parameter paths as torch's
+        ``set_state_dict`` passes them) map by position in the saved groups' ``params`` lists."""
+        groups = state_dict["param_groups"]
+        self._load_groups(groups, what)
+        index: dict[Any, int] = {}
+        start = 0
+        for saved, g in zip(groups, self.param_groups):
+            for j, key in enumerate(saved["params"]):
+                index[key] = start + j
+            start += len(g["params"])
+        out = {}
+        for k, v in state_dict["state"].items():
+            if k not in index:
+                raise ValueError(f"{what}: state key {k!r} is not in the saved param_groups' params")
+            out[index[k]] = v
+        return out
+
+    def shard_state_dict(self) -> dict:
         """This rank's shard of the state (no communication).
 
         ``{"state": {unit_index: {...}}, "param_groups": [...], "sharding": {"world_size", "rank",
-        "layout"}}``. Load it with :meth:`load_state_dict` into an optimizer with the same layout
+        "layout"}}``. Load it with :meth:`load_shard_state_dict` into an optimizer with the same layout
         (same world size, parameters, groups and ``bucket_mb``); to change the world size use
-        :meth:`full_state_dict` / :meth:`load_full_state_dict`.
+        :meth:`state_dict` or :meth:`full_state_dict`.
         """
         self._wait_gathers()
         state = {ui: dict(st) for ui, st in self.state.items()}
         return {"state": state, "param_groups": self._packed_groups(),
                 "sharding": {"world_size": self.comm.size, "rank": self.comm.rank, "layout": self._layout_id}}
 
-    def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
-        """Load a :meth:`state_dict` taken on this rank of an identically laid-out optimizer."""
+    def load_shard_state_dict(self, state_dict: dict) -> None:
+        """Load a :meth:`shard_state_dict` taken on this rank of an identically laid-out optimizer."""
         sh = state_dict.get("sharding") if isinstance(state_dict, dict) else None
         if sh is None:
-            raise ValueError("load_state_dict: not a sharded state dict (no 'sharding' key); for a "
-                             "torch-format (full) state dict use load_full_state_dict")
+            raise ValueError("load_shard_state_dict: not a shard state dict (no 'sharding' key); for a "
+                             "torch-format state dict use load_state_dict or load_full_state_dict")
         if (sh["world_size"], sh["rank"], sh["layout"]) != (self.comm.size, self.comm.rank, self._layout_id):
-            raise ValueError(f"load_state_dict: saved with world_size={sh['world_size']}, rank={sh['rank']}, "
+            raise ValueError(f"load_shard_state_dict: saved with world_size={sh['world_size']}, rank={sh['rank']}, "
                              f"layout={sh['layout']}; this optimizer has world_size={self.comm.size}, "
-                             f"rank={self.comm.rank}, layout={self._layout_id}; use full_state_dict / "
-                             "load_full_state_dict to reshard")
-        self._load_groups(state_dict["param_groups"], "load_state_dict")
+                             f"rank={self.comm.rank}, layout={self._layout_id}; use state_dict / "
+                             "load_state_dict (or full_state_dict / load_full_state_dict) to reshard")
+        self._load_groups(state_dict["param_groups"], "load_shard_state_dict")
         self.state.clear()
         for ui, st in state_dict["state"].items():
             unit = self._units[int(ui)]
@@ -637,15 +902,48 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 full3 = full.view(-1, rows, cols)
                 for m in lay.members:
                     out[m.index] = {"momentum_buffer": full3[m.offset // (rows * cols)].clone()}
+            if self._needs_master(unit):
+                master = self._gather_master(ui)
+                for m in lay.members:
+                    out[m.index]["master"] = master[m.offset:m.offset + m.numel].view(m.shape).clone()
         return {"state": dict(sorted(out.items())), "param_groups": self._packed_groups()}
+
+    def _needs_master(self, unit: _Unit) -> bool:
+        """The fp32-master rule (see :meth:`_master`): parameters travel or are stored narrower than
+        the accumulation dtype."""
+        acc = unit.grad_shard.dtype
+        return not (unit.layout.dtype == acc and self._param_wire(unit) == unit.layout.dtype)
+
+    def _gather_master(self, ui: int) -> torch.Tensor:
+        """Unit ``ui``'s masters over its whole flat space (one all-gather, ``tag="state"``); a slice
+        whose owner has not stepped yet contributes the master its first step would create."""
+        unit = self._units[ui]
+        lay, acc, rank = unit.layout, unit.grad_shard.dtype, self.comm.rank
+        st = self.state.get(ui, {})
+        if lay.kind == "adamw":
+            lo, hi = lay.owner_range(rank)
+            local = st["master"] if "master" in st else unit.param_buf[lo:hi].to(acc)
+        else:
+            assert lay.matrix_shape is not None and lay.real_per_rank is not None
+            rows, cols = lay.matrix_shape
+            c, real = lay.slots_per_rank, lay.real_per_rank[rank]
+            local = torch.zeros(c, rows, cols, dtype=acc, device=unit.grad_shard.device)
+            own = unit.param_buf.view(-1, rows, cols)[rank * c:rank * c + real]
+            local[:real].copy_(st["master"] if "master" in st else own.to(acc))
+        full = torch.empty(lay.numel, dtype=acc, device=unit.grad_shard.device)
+        self.comm.all_gather(full, local.contiguous().reshape(-1), tag="state")
+        return full
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict) -> None:
         """Load a :meth:`full_state_dict` (or a ``torch.optim.AdamW`` state dict for AdamW groups),
         taking this rank's slices; no communication, any world size. A parameter missing from
         ``state`` starts from zeros; AdamW members of one bucket must share one step count."""
-        self._load_groups(state_dict["param_groups"], "load_full_state_dict")
-        saved = {int(k): v for k, v in state_dict["state"].items()}
+        if state_dict.get("_indexed"):
+            saved = {int(k): v for k, v in state_dict["state"].items()}
+            self._load_groups(state_dict["param_groups"], "load_full_state_dict")
+        else:
+            saved = self._index_state(state_dict, "load_full_state_dict")
         rank = self.comm.rank
         self.state.clear()
         for ui, unit in enumerate(self._units):
@@ -681,6 +979,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     if 0 <= slot < real:
                         mom[slot].copy_(saved[m.index]["momentum_buffer"])
                 self.state[ui] = {"momentum_buffer": mom}
+            if self._needs_master(unit) and all("master" in saved[m.index] for m in present):
+                self._install_master(ui, {m.index: saved[m.index]["master"] for m in present})
+
+    def _install_master(self, ui: int, per_member: dict[int, torch.Tensor]) -> None:
+        """Take this rank's slice of saved fp32 masters (members missing from ``per_member`` start from
+        the parameter, as a first step would)."""
+        unit = self._units[ui]
+        lay, acc, rank = unit.layout, unit.grad_shard.dtype, self.comm.rank
+        full = unit.param_buf.to(acc, copy=True)
+        for m in lay.members:
+            if m.index in per_member:
+                full[m.offset:m.offset + m.numel].copy_(per_member[m.index].reshape(-1))
+        if lay.kind == "adamw":
+            lo, hi = lay.owner_range(rank)
+            master = full[lo:hi].clone()
+        else:
+            assert lay.matrix_shape is not None and lay.real_per_rank is not None
+            rows, cols = lay.matrix_shape
+            c, real = lay.slots_per_rank, lay.real_per_rank[rank]
+            master = full.view(-1, rows, cols)[rank * c:rank * c + real].clone()
+        self.state[ui]["master"] = master
 
     def remove_hooks(self) -> None:
         """Remove the gradient and forward hooks this optimizer registered."""
@@ -700,9 +1019,13 @@ class ShardedAdamW(ShardedOptimizer):
 
 class ShardedMuon(ShardedOptimizer):
     """Muon for ``muon_params`` (2-D hidden matrices) and AdamW for ``adamw_params`` (embeddings,
-    head, 1-D parameters), driven by one :class:`ShardedOptimizer` (group 0 Muon, group 1 AdamW).
+    head, 1-D parameters), driven by one :class:`ShardedOptimizer` (group 0 Muon at ``lr``, group 1
+    AdamW at ``adamw_lr``; either group is left out when its list is empty).
 
-    Use :func:`split_params_for_muon` to split a model.
+    The two lrs are separate keys of separate groups: schedule them by one factor (``LambdaLR``), never
+    by writing one value into every group (caught at :meth:`step`, see :class:`ShardedOptimizer`).
+    Split a model with :func:`lowband.plan.muon_split` (any model, optionally its plan) or
+    :func:`split_params_for_muon` (name rules).
     """
 
     def __init__(self, muon_params: Iterable[torch.Tensor], adamw_params: Iterable[torch.Tensor], *,

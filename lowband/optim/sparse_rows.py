@@ -29,6 +29,7 @@ import torch
 from lowband.comm import Comm
 from lowband.comm.sparse import HASHES, MODES, RowTracker, SparsePlan, SparseRowExchange, SparseStats
 from lowband.optim.buckets import Member, ParamSpec, UnitLayout
+from lowband.plan import ModelPlan, plan_for, tied_names
 
 
 @dataclass
@@ -41,12 +42,21 @@ class SparseTable:
         hash: ``"none"`` (rows are token ids) or ``"bigram"`` (bigram hash of the tokens).
         vocab_size: valid token ids ``[0, vocab_size)`` (``None``: ``rows`` for ``"none"``, any for
             ``"bigram"``).
+        check_rows: at each launch whose rows came from observed tokens, verify that the gradient has
+            no non-zero row outside them (one pass over the table gradient; a device-to-host copy of a
+            row mask on CUDA) and raise ``RuntimeError`` naming the table otherwise, so a use of the
+            table the tokens do not describe (a tied output head, a functional use elsewhere) can
+            never drop gradient rows silently. ``False`` skips the pass.
+
+    Build one for any embedding parameter with :func:`sparse_table_for` (refuses tied weights by name)
+    or from the model plan with :func:`sparse_tables_from_plan`.
     """
 
     name: str
     param: torch.Tensor
     hash: str = "none"
     vocab_size: int | None = None
+    check_rows: bool = True
 
     def validate(self, where: str) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -98,6 +108,7 @@ class SparseTableUnit:
                                           wire_dtype=wire_dtype)
         self.plan_: SparsePlan | None = None
         self.observed = False
+        self.from_tokens = False
 
     def observe(self, tokens: np.ndarray | torch.Tensor) -> None:
         """Add one batch (or microbatch) of host token ids of this step."""
@@ -113,6 +124,7 @@ class SparseTableUnit:
         if self.plan_ is None and not self.observed and grad is None:
             return None
         if self.plan_ is None:
+            self.from_tokens = self.observed
             if self.observed:
                 rows, bad = self.tracker.take()
             else:
@@ -129,37 +141,109 @@ class SparseTableUnit:
         """Start the exchange of ``grad`` (``rows x dim``) into ``grad_shard`` (average); async handle."""
         plan = self.plan(grad)
         assert plan is not None
+        if self.table.check_rows and self.from_tokens:
+            self._check_rows(grad, plan)
         handle = self.exchange.reduce_scatter(grad_shard, grad, plan, op="avg", async_op=True)
         self.reset()
         return handle
 
+    def _check_rows(self, grad: torch.Tensor, plan: SparsePlan) -> None:
+        touched = torch.nonzero(grad.detach().ne(0).any(dim=1)).view(-1).cpu().numpy()
+        extra = np.setdiff1d(touched, plan.rows)
+        if extra.size:
+            raise RuntimeError(
+                f"sparse table {self.table.name!r}: the gradient has {extra.size} non-zero rows that this "
+                f"step's tokens do not name (first: {extra[:5].tolist()}); the table is used somewhere the "
+                "tokens do not describe (a tied output head, a functional use), and a row-sparse exchange "
+                "would drop those rows. Leave it out of the sparse tables (dense exchange is exact)")
+
     def reset(self) -> None:
         self.plan_ = None
         self.observed = False
+        self.from_tokens = False
 
     @property
     def stats(self) -> SparseStats | None:
         return self.exchange.last_stats
 
 
-def sparse_tables_for_model(model: torch.nn.Module, names: list[str]) -> list[SparseTable]:
-    """Map config names to the reference GPT's tables: ``"bigram"`` -> ``model.bigram.weight`` (bigram
-    hash), ``"tok_emb"`` -> ``model.tok_emb.weight`` (token ids).
+def _tied_refusal(model: torch.nn.Module, param_name: str, where: str) -> None:
+    """Raise ``ValueError`` if ``param_name`` is reachable under another name too (a tied weight)."""
+    names = tied_names(model).get(param_name)
+    if names:
+        others = [n for n in names if n != param_name]
+        raise ValueError(
+            f"{where}: sparse table parameter {param_name!r} is tied to {others}: the other use's gradient "
+            "touches rows that the input tokens do not name, so a row-sparse exchange would drop them. "
+            "Leave this table out of the sparse tables (it then travels in a dense bucket, which is exact), "
+            "or untie the weights")
+
+
+def sparse_table_for(model: torch.nn.Module, param_name: str, *, name: str | None = None, hash: str = "none",
+                     vocab_size: int | None = None) -> SparseTable:
+    """A :class:`SparseTable` for any embedding parameter of ``model``, by its parameter path.
+
+    Args:
+        model: the model holding the table.
+        param_name: the parameter's path as ``model.named_parameters()`` prints it, e.g.
+            ``"transformer.wte.weight"``.
+        name: short table name for tags and errors (default: ``param_name``).
+        hash: ``"none"`` (row = token id) or ``"bigram"`` (:func:`lowband.comm.bigram_hash.bigram_hash_np`).
+        vocab_size: valid token ids (``None``: the table's rows for ``"none"``).
 
     Raises:
-        ValueError: an unknown name, or ``"bigram"`` on a model without a bigram table.
+        ValueError: no such parameter, not 2-D, or tied to another parameter name (the tied use's
+            gradient touches rows the tokens do not name: refused by name, never silently dropped).
     """
-    allowed = ("bigram", "tok_emb")
+    where = "sparse_table_for"
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if param_name not in params:
+        raise ValueError(f"{where}: the model has no parameter {param_name!r}")
+    _tied_refusal(model, param_name, where)
+    table = SparseTable(name or param_name, params[param_name], hash=hash, vocab_size=vocab_size)
+    table.validate(where)
+    return table
+
+
+def sparse_tables_from_plan(model: torch.nn.Module, names: list[str] | tuple[str, ...] | None = None, *,
+                            plan: ModelPlan | None = None,
+                            where: str = "sparse_tables_from_plan") -> list[SparseTable]:
+    """The sparse tables a model plan declares (``plan`` default: :func:`lowband.plan.plan_for`).
+
+    Args:
+        model: the model.
+        names: table names to use (``None``: every table of the plan).
+        plan: the model's :class:`lowband.plan.ModelPlan`.
+        where: prefix of error messages (e.g. the config key that named the tables).
+
+    Raises:
+        ValueError: a name the plan does not have, or a table tied to another parameter (see
+            :func:`sparse_table_for`).
+    """
+    plan = plan if plan is not None else plan_for(model)
+    specs = plan.sparse_tables if names is None else []
+    if names is not None:
+        for n in names:
+            try:
+                specs.append(plan.sparse_table(n))
+            except KeyError as e:
+                raise ValueError(f"{where}: {e.args[0]}") from None
     out = []
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    for name in names:
-        if name not in allowed:
-            raise ValueError(f"strategy.sparse_embeddings: {name!r} is not allowed; allowed: {list(allowed)}")
-        if name == "bigram":
-            if getattr(model, "bigram", None) is None:
-                raise ValueError("strategy.sparse_embeddings: 'bigram' needs model.bigram_rows >= 2 "
-                                 "(the model has no bigram table)")
-            out.append(SparseTable("bigram", model.bigram.weight, hash="bigram", vocab_size=vocab))
-        else:
-            out.append(SparseTable("tok_emb", model.tok_emb.weight, hash="none", vocab_size=vocab))
+    for spec in specs:
+        try:
+            out.append(sparse_table_for(model, spec.param, name=spec.name, hash=spec.hash,
+                                        vocab_size=plan.vocab_size))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
     return out
+
+
+def check_untied(model: torch.nn.Module, tables: list[SparseTable], where: str) -> None:
+    """Refuse (``ValueError``, by name) any table whose parameter is tied to another name in ``model``."""
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    for t in tables:
+        if id(t.param) in name_of:
+            try:
+                _tied_refusal(model, name_of[id(t.param)], where)
+            except ValueError as e:
+                raise ValueError(f"{e} (table {t.name!r})") from None

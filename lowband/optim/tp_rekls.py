@@ -203,9 +203,15 @@ class TpRekls(REKLS):
                              "(it is never taken to be the world group)")
         return Comm(name="tp")
 
-    def _classify(self, group: dict, gi: int, pi: int, p: torch.Tensor,
-                  h: ReklsHyper) -> tuple[str, int | None, tuple[int, ...]]:
-        """``(kind, partition_dim, full_shape)``, kind in sharded / rekls / adamw; raises on bad input."""
+    def classify(self, group: dict, gi: int, pi: int, p: torch.Tensor,
+                 h: ReklsHyper) -> tuple[str, int | None, tuple[int, ...]]:
+        """How parameter ``pi`` of param group ``gi`` is stepped: ``(kind, partition_dim, full_shape)``.
+
+        ``kind``: ``"sharded"`` (TP-sharded REKLS, factors split over the TP group), ``"rekls"``
+        (replicated REKLS) or ``"adamw"`` (elementwise, on the local chunk). ``full_shape`` is the
+        dense shape. Public so that state layouts (:class:`lowband.parallel.tp_state.TPStateLayout`)
+        can tell which state a parameter has. No collective; raises ``TypeError``/``ValueError`` on a
+        bad layout."""
         t = self.tp_comm.size
         pd, explicit = self._declared(group, p)
         name = _param_name(group, gi, pi)
@@ -282,7 +288,7 @@ class TpRekls(REKLS):
                     if p.grad.is_sparse:
                         raise TypeError(f"TpRekls: parameter {_param_name(group, gi, pi)} has a sparse "
                                         "gradient; not supported")
-                    kind, pd, full = self._classify(group, gi, pi, p, h)
+                    kind, pd, full = self.classify(group, gi, pi, p, h)
                     item = None
                     if kind == "sharded":
                         item = _Item(p, self.state[p], h, pd, full[0], full[1],

@@ -1,10 +1,37 @@
-"""Parallel layouts: tensor-parallel linear layers (:mod:`lowband.parallel.tensor`), the process mesh
-(:mod:`lowband.parallel.mesh`) and generalized tensor parallelism (:mod:`lowband.parallel.gtp`)."""
+"""Parallel layouts: tensor-parallel linear layers (:mod:`lowband.parallel.tensor`, :func:`shard_tp` from a
+model plan), the process mesh (:mod:`lowband.parallel.mesh`), generalized tensor parallelism
+(:mod:`lowband.parallel.gtp`), and what works across them: initial-weight agreement
+(:mod:`lowband.parallel.init_sync`), global-norm clipping (:mod:`lowband.parallel.clip`), gathered
+evaluation (:func:`unsharded_copy`) and checkpoint layouts (:mod:`lowband.parallel.gtp_state`,
+:mod:`lowband.parallel.tp_state`)."""
 
-from lowband.parallel.gtp import GTPEmbedding, GTPLinear, GTPOptions, GTPRuntime, shard_embeddings, shard_linears
+from lowband.parallel.clip import clip_grad_norm_, global_grad_norm
+from lowband.parallel.gtp import (
+    GTPCollectiveError,
+    GTPEmbedding,
+    GTPLinear,
+    GTPOptions,
+    GTPRuntime,
+    GTPStateError,
+    plan_filter,
+    shard_embeddings,
+    shard_linears,
+    sync_replicated_grads,
+)
+from lowband.parallel.init_sync import check_module_state, sync_module_state
 from lowband.parallel.mesh import MeshShape, ParallelMesh, build_mesh
-from lowband.parallel.tensor import ColumnParallelLinear, RowParallelLinear, mark_partition
+from lowband.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPInputGather,
+    TPStateError,
+    mark_partition,
+)
+from lowband.parallel.tp_shard import shard_tp
+from lowband.parallel.unshard import unsharded_copy
 
-__all__ = ["ColumnParallelLinear", "GTPEmbedding", "GTPLinear", "GTPOptions", "GTPRuntime", "MeshShape",
-           "ParallelMesh", "RowParallelLinear", "build_mesh", "mark_partition", "shard_embeddings",
-           "shard_linears"]
+__all__ = ["ColumnParallelLinear", "GTPCollectiveError", "GTPEmbedding", "GTPLinear", "GTPOptions", "GTPRuntime",
+           "GTPStateError", "MeshShape", "ParallelMesh", "RowParallelLinear", "TPInputGather", "TPStateError",
+           "build_mesh", "check_module_state", "clip_grad_norm_", "global_grad_norm", "mark_partition",
+           "plan_filter", "shard_embeddings", "shard_linears", "shard_tp", "sync_module_state",
+           "sync_replicated_grads", "unsharded_copy"]

@@ -58,9 +58,10 @@ the ``Comm`` reduce-scatter's own receive buffer on gloo (one padded wgrad per i
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,8 +80,25 @@ from lowband.parallel.gtp_quant import (
     fp8_unpack_gathered,
     row_alignment,
 )
+from lowband.parallel.init_sync import check_module_state, sync_module_state
+from lowband.plan import ModelPlan, tied_names
 
 GRAD_MODES = ("mean", "sum")
+TIED_POLICIES = ("replicate", "error")
+
+
+class GTPCollectiveError(RuntimeError):
+    """A GTP weight gather failed, typically because not every rank of the GTP group ran the forward."""
+
+
+class GTPStateError(RuntimeError):
+    """``state_dict()`` / ``load_state_dict()`` of a GTP module outside :meth:`GTPRuntime.local_state`.
+
+    A GTP parameter is one rank's row shard stored under the logical weight's name, so a plain state
+    dict would label ``1/N`` of a weight as the whole (torch DCP would write rank 0's shard as the
+    replicated tensor). Use :class:`lowband.parallel.gtp_state.GTPStateLayout` (gathered, reshardable,
+    works with ``torch.distributed.checkpoint``) or :func:`lowband.parallel.unsharded_copy`.
+    """
 
 
 @dataclass
@@ -216,6 +234,29 @@ class GTPRuntime:
         self._callback_queued = False
         self._post_drain_hooks: list[Callable[[], None]] = []
         self.passes = 0
+        self._local_state_depth = 0
+
+    @contextlib.contextmanager
+    def local_state(self) -> Iterator[None]:
+        """Allow ``state_dict()`` / ``load_state_dict()`` of this runtime's GTP modules to see the raw
+        per-rank shards (padded, this rank's rows) while the context is open. For state layouts that
+        gather or slice the shards themselves (:class:`~lowband.parallel.gtp_state.GTPStateLayout`);
+        outside it those calls raise :class:`GTPStateError` on a multi-rank group."""
+        self._local_state_depth += 1
+        try:
+            yield
+        finally:
+            self._local_state_depth -= 1
+
+    def check_state_access(self, module: nn.Module, what: str) -> None:
+        """Raise :class:`GTPStateError` for a plain ``state_dict``/``load_state_dict`` of a sharded module."""
+        if self.size > 1 and not self._local_state_depth:
+            raise GTPStateError(
+                f"{what} of a GTP module ({type(module).__name__} {getattr(module.gtp, 'name', '')!r}) would "
+                f"label this rank's 1/{self.size} row shard as the whole weight (a mislabeled checkpoint, "
+                "e.g. with torch.distributed.checkpoint's get_state_dict); use "
+                "lowband.parallel.gtp_state.GTPStateLayout(model, optimizer) for checkpoints (DCP-ready, "
+                "reshards across GTP sizes) or lowband.parallel.unsharded_copy(model) for a plain model")
 
     # ------------------------------------------------------------------------------ registration
     def register(self, full_weight: torch.Tensor, name: str) -> GTPWeight:
@@ -299,13 +340,27 @@ class GTPRuntime:
             shape, dtype = (self.size * per,), torch.uint8
         buf = self.cache.get(ticket, shape, dtype, self._key_direction(direction), parity, p.device, "gather")
         self._log("ag_issue", direction, gw, async_op)
-        handle = self.comm.all_gather(buf, src, async_op=async_op, tag=f"gtp:ag:{direction}")
+        try:
+            handle = self.comm.all_gather(buf, src, async_op=async_op, tag=f"gtp:ag:{direction}")
+        except RuntimeError as e:
+            raise GTPCollectiveError(self._collective_message(gw, direction, e)) from e
         return _Gather(gw, direction, consume, ticket, parity, buf, handle)
+
+    def _collective_message(self, gw: GTPWeight, direction: str, err: BaseException) -> str:
+        return (f"GTP: the all-gather of weight {gw.name!r} ({direction}) over group {self.comm.name!r} "
+                f"(size {self.size}) failed: {str(err).splitlines()[0] if str(err) else type(err).__name__}. "
+                "Every rank of the GTP group must run every forward and backward of a GTP model together; "
+                "a forward on a subset of ranks (e.g. evaluation on rank 0 only) cannot gather sharded "
+                "weights. Evaluate on every rank, or build a plain model with "
+                "lowband.parallel.unsharded_copy(model) (called on every rank) and evaluate that alone")
 
     def _complete(self, g: _Gather) -> tuple[torch.Tensor, Callable[[], None]]:
         """Wait for a gather; return the logical ``[out, in]`` weight and its release function."""
-        g.handle.wait()
         gw = g.gw
+        try:
+            g.handle.wait()
+        except RuntimeError as e:
+            raise GTPCollectiveError(self._collective_message(gw, g.direction, e)) from e
         self._log("ag_ready", g.direction, gw)
         fmt = self.options.gather_format
         if fmt == "native":
@@ -562,6 +617,19 @@ class _GTPEmbeddingFunction(torch.autograd.Function):
         return None, None, None
 
 
+def _guard_state(module: nn.Module) -> None:
+    """Make plain ``state_dict``/``load_state_dict`` of a GTP module raise (see :class:`GTPStateError`)."""
+
+    def on_save(mod: nn.Module, prefix: str, keep_vars: bool) -> None:
+        mod.runtime.check_state_access(mod, "state_dict()")
+
+    def on_load(mod: nn.Module, *args: Any) -> None:
+        mod.runtime.check_state_access(mod, "load_state_dict()")
+
+    module.register_state_dict_pre_hook(on_save)
+    module.register_load_state_dict_pre_hook(on_load)
+
+
 class GTPLinear(nn.Module):
     """A linear layer whose weight is a GTP shard (see the module docstring); the bias is replicated.
 
@@ -591,6 +659,7 @@ class GTPLinear(nn.Module):
                              f"({out_features}, {in_features})")
         self.gtp = runtime.register(weight, name or f"gtp{len(runtime.weights)}")
         self.weight = self.gtp.param
+        _guard_state(self)
         if bias:
             if bias_init is None:
                 bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
@@ -647,6 +716,7 @@ class GTPEmbedding(nn.Module):
                              f"({num_embeddings}, {embedding_dim})")
         self.gtp = runtime.register(weight, name or f"gtp{len(runtime.weights)}")
         self.weight = self.gtp.param
+        _guard_state(self)
 
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, runtime: GTPRuntime, name: str = "") -> GTPEmbedding:
@@ -673,43 +743,140 @@ class GTPEmbedding(nn.Module):
                 f"gtp={self.runtime.size}")
 
 
+def tied_outside(model: nn.Module, path: str, module: nn.Module) -> list[str]:
+    """Names under which a parameter of ``module`` (at ``path``) is also reachable *outside* that module.
+
+    A module registered under several names (a repeated layer) is not tied to anything: its aliases
+    are the same module. A weight shared with another module (an output head tied to the token
+    embedding) is; GTP cannot shard one side and keep the other, so :func:`shard_linears` leaves such
+    a module replicated (or refuses, ``tied="error"``). No collective.
+    """
+    aliases = {n for n, m in model.named_modules(remove_duplicate=False) if m is module}
+    own = {f"{a}.{pn}" if a else pn for a in aliases for pn, _ in module.named_parameters(remove_duplicate=False)}
+    groups = tied_names(model)
+    outside: list[str] = []
+    for pn, _ in module.named_parameters(remove_duplicate=False):
+        for other in groups.get(f"{path}.{pn}" if path else pn, []):
+            if other not in own and other not in outside:
+                outside.append(other)
+    return outside
+
+
 def _replace_modules(model: nn.Module, kind: type, make: Callable[[Any, str], Any],
-                     include: Callable[[str, Any], bool] | None) -> dict:
-    """Replace every module of exactly type ``kind`` (in place) by ``make(module, name)``; a module under
-    several names becomes one replacement. Returns ``{first name: replacement}``. No collective."""
-    memo: dict[int, Any] = {}
-    done: dict[str, Any] = {}
+                     include: Callable[[str, Any], bool] | None, tied: str, what: str,
+                     check: Callable[[Any, str], None], agree: Callable[[], None]) -> dict:
+    """Replace every module of exactly type ``kind`` (in place) by ``make(module, name)``.
+
+    A module under several names becomes one replacement; a module whose parameter is tied to one
+    outside it stays as it is (``tied="replicate"``) or raises ``ValueError`` naming it
+    (``tied="error"``). Order: select and ``check(module, name)`` every candidate (no collective,
+    raises before anything changes), then ``agree()`` (the initial-weight collective), then replace.
+    Returns ``{first name: replacement}``.
+    """
+    if tied not in TIED_POLICIES:
+        raise ValueError(f"{what}: tied must be one of {TIED_POLICIES}, got {tied!r}")
+    chosen: dict[int, str] = {}
+    skip: set[int] = set()
+    sites: list[tuple[nn.Module, str, Any]] = []
     for parent_name, parent in list(model.named_modules(remove_duplicate=False)):
         for child_name, child in list(parent._modules.items()):
-            if type(child) is not kind:
+            if type(child) is not kind or id(child) in skip:
                 continue
             full = f"{parent_name}.{child_name}" if parent_name else child_name
             if include is not None and not include(full, child):
                 continue
-            if id(child) not in memo:
-                memo[id(child)] = make(child, full)
-                done[full] = memo[id(child)]
-            setattr(parent, child_name, memo[id(child)])
+            if id(child) not in chosen:
+                others = tied_outside(model, full, child)
+                if others:
+                    if tied == "error":
+                        raise ValueError(f"{what}: {full!r} shares a parameter with {others} (tied weights); "
+                                         "GTP would untie them. Pass tied='replicate' to keep it replicated "
+                                         "(its gradient is then averaged like a data-parallel one), or "
+                                         "exclude it with include=")
+                    skip.add(id(child))
+                    continue
+                check(child, full)
+                chosen[id(child)] = full
+            sites.append((parent, child_name, child))
+    agree()
+    memo: dict[int, Any] = {}
+    done: dict[str, Any] = {}
+    for parent, child_name, child in sites:
+        if id(child) not in memo:
+            memo[id(child)] = make(child, chosen[id(child)])
+            done[chosen[id(child)]] = memo[id(child)]
+        setattr(parent, child_name, memo[id(child)])
     return done
 
 
+def _agree(model: nn.Module, runtime: GTPRuntime, init_sync: bool, sync_comm: Comm | None) -> Callable[[], None]:
+    comm = sync_comm if sync_comm is not None else runtime.comm
+
+    def run() -> None:
+        if init_sync:
+            sync_module_state(model, comm)
+        else:
+            check_module_state(model, comm)
+
+    return run
+
+
+def _check_weight(runtime: GTPRuntime, weight: torch.Tensor, name: str) -> None:
+    opts = runtime.options
+    check_block_rule(opts.gather_format, opts.fp8_block, weight.shape[1], f"GTP weight {name!r}")
+
+
+def _check_embedding(runtime: GTPRuntime, emb: nn.Embedding, name: str) -> None:
+    if emb.padding_idx is not None or emb.max_norm is not None or emb.sparse or emb.scale_grad_by_freq:
+        raise ValueError(f"GTPEmbedding {name!r}: padding_idx, max_norm, sparse and "
+                         "scale_grad_by_freq are not supported; leave this embedding replicated")
+    _check_weight(runtime, emb.weight, name)
+
+
 def shard_embeddings(model: nn.Module, runtime: GTPRuntime,
-                     include: Callable[[str, nn.Embedding], bool] | None = None) -> dict[str, GTPEmbedding]:
-    """Replace every plain ``nn.Embedding`` of ``model`` (in place) by a :class:`GTPEmbedding` copy."""
-    return _replace_modules(model, nn.Embedding,
-                            lambda m, name: GTPEmbedding.from_embedding(m, runtime, name=name), include)
+                     include: Callable[[str, nn.Embedding], bool] | None = None, *, tied: str = "replicate",
+                     init_sync: bool = True, sync_comm: Comm | None = None) -> dict[str, GTPEmbedding]:
+    """Replace every plain ``nn.Embedding`` of ``model`` (in place) by a :class:`GTPEmbedding` copy.
+
+    Arguments, tied-weight handling and the initial-weight agreement (after every check, before the
+    first replacement) as for :func:`shard_linears`.
+    """
+    return _replace_modules(model, nn.Embedding, lambda m, name: GTPEmbedding.from_embedding(m, runtime, name=name),
+                            include, tied, "shard_embeddings", lambda m, name: _check_embedding(runtime, m, name),
+                            _agree(model, runtime, init_sync, sync_comm))
 
 
 def shard_linears(model: nn.Module, runtime: GTPRuntime,
-                  include: Callable[[str, nn.Linear], bool] | None = None) -> dict[str, GTPLinear]:
+                  include: Callable[[str, nn.Linear], bool] | None = None, *, tied: str = "replicate",
+                  init_sync: bool = True, sync_comm: Comm | None = None) -> dict[str, GTPLinear]:
     """Replace every ``nn.Linear`` of ``model`` (in place) by a :class:`GTPLinear` copy.
 
     A module that appears under several names (a repeated layer) becomes one ``GTPLinear``. Returns
     ``{name: GTPLinear}`` by first name. ``include(name, linear)`` may exclude layers (they stay
-    replicated). No collective.
+    replicated); :func:`plan_filter` builds one from a model plan's ``parallel_linears``.
+
+    Tied weights (:func:`lowband.plan.tied_groups`): a linear whose weight or bias is shared with
+    another module (e.g. an output head tied to the token embedding) is left replicated
+    (``tied="replicate"``: its gradient is averaged over the GTP group with the other replicated
+    parameters by :func:`sync_replicated_grads`, as data parallelism would) or refused by name
+    (``tied="error"``).
+
+    Initial weights: the shards are cut from the model each rank holds, so every rank of the group
+    must hold the same model. ``init_sync=True`` (default) broadcasts every parameter and floating
+    buffer from rank 0 of ``sync_comm`` (default: the GTP group; pass the world's ``Comm`` when there
+    is data parallelism across GTP groups too); ``init_sync=False`` verifies them with one checksum
+    exchange and raises ``ValueError`` on every rank if they differ. Every check (tied weights, fp8
+    block rule) runs before that collective, on every rank alike.
     """
     return _replace_modules(model, nn.Linear, lambda m, name: GTPLinear.from_linear(m, runtime, name=name),
-                            include)
+                            include, tied, "shard_linears", lambda m, name: _check_weight(runtime, m.weight, name),
+                            _agree(model, runtime, init_sync, sync_comm))
+
+
+def plan_filter(plan: ModelPlan) -> Callable[[str, nn.Module], bool]:
+    """An ``include`` for :func:`shard_linears` that takes exactly the plan's ``parallel_linears``."""
+    names = {pl.module for pl in plan.parallel_linears}
+    return lambda name, _module: name in names
 
 
 def is_gtp_param(p: torch.Tensor) -> bool:

@@ -14,6 +14,9 @@ collectives are those of :mod:`lowband.parallel.gtp` on the TP-local weight (gat
 prefetch, async reduce-scatter of the wgrad over the GTP group). Data lanes: TP peers see the same
 microbatch, GTP peers different ones (``lane = rank // TP``, :mod:`lowband.parallel.mesh`).
 Replicated biases: average their grads over the GTP group (:func:`~lowband.parallel.gtp.sync_replicated_grads`).
+The TP-local weights (and the column layer's bias) carry the TP layout attributes of
+:func:`~lowband.parallel.tensor.mark_partition` (of the TP-local tensor before the GTP cut), so
+:func:`lowband.parallel.clip_grad_norm_` sums their squares over both groups.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from torch import nn
 
 from lowband.comm import Comm
 from lowband.parallel.gtp import GTPLinear, GTPRuntime
-from lowband.parallel.tensor import _CopyToTP, _GatherFromTP, _ReduceFromTP, _ScatterToTP
+from lowband.parallel.tensor import _CopyToTP, _GatherFromTP, _ReduceFromTP, _ScatterToTP, mark_partition
 
 
 def _check_tp_split(what: str, features: int, size: int) -> None:
@@ -55,6 +58,9 @@ class GTPColumnParallelLinear(nn.Module):
             if linear.bias is not None:
                 local.bias.copy_(linear.bias.chunk(n, 0)[r])
         self.inner = GTPLinear.from_linear(local, runtime, name=name)
+        mark_partition(self.inner.weight, 0, tp_comm, (linear.out_features, linear.in_features))
+        if self.inner.bias is not None:
+            mark_partition(self.inner.bias, 0, tp_comm, (linear.out_features,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_comm.size > 1:
@@ -87,6 +93,7 @@ class GTPRowParallelLinear(nn.Module):
         with torch.no_grad():
             local.weight.copy_(linear.weight.chunk(n, 1)[r])
         self.inner = GTPLinear.from_linear(local, runtime, name=name)
+        mark_partition(self.inner.weight, 1, tp_comm, (linear.out_features, linear.in_features))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -28,11 +28,69 @@ same seed) to build the same dense layer; :meth:`from_dense` slices an existing 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lowband.comm import Comm
+
+_LOCAL_STATE = [0]
+
+
+class TPStateError(RuntimeError):
+    """``state_dict()`` / ``load_state_dict()`` of a multi-rank TP layer outside :func:`local_state`.
+
+    A TP parameter is one rank's slice stored under the dense weight's name, so a plain state dict
+    (e.g. torch DCP's ``get_state_dict``) would label a slice as the whole. Use
+    :class:`lowband.parallel.tp_state.TPStateLayout` (DCP-ready, reshards across TP sizes) or
+    :func:`lowband.parallel.unsharded_copy`.
+    """
+
+
+@contextlib.contextmanager
+def local_state() -> Iterator[None]:
+    """Allow plain ``state_dict``/``load_state_dict`` of TP layers (raw per-rank slices) in this block."""
+    _LOCAL_STATE[0] += 1
+    try:
+        yield
+    finally:
+        _LOCAL_STATE[0] -= 1
+
+
+def _guard_state(module: nn.Module) -> None:
+    def check(mod: nn.Module, *args: Any) -> None:
+        if mod.tp_comm.size > 1 and not _LOCAL_STATE[0]:
+            raise TPStateError(
+                f"state_dict()/load_state_dict() of a {type(mod).__name__} on a TP group of "
+                f"{mod.tp_comm.size} ranks would label this rank's slice as the dense weight (a mislabeled "
+                "checkpoint, e.g. with torch.distributed.checkpoint's get_state_dict); use "
+                "lowband.parallel.tp_state.TPStateLayout(model, optimizer, tp_size, dp_size) for "
+                "checkpoints or lowband.parallel.unsharded_copy(model) for a plain model")
+
+    module.register_state_dict_pre_hook(check)
+    module.register_load_state_dict_pre_hook(check)
+
+
+def permute_sections(x: torch.Tensor, sections: int, tp: int) -> torch.Tensor:
+    """Reorder the rows of ``x`` (``sections`` equal concatenated sections, e.g. ``[q; k; v]``) so that
+    Megatron chunk ``r`` of the result is ``[s_0 chunk r; s_1 chunk r; ...]``: every TP rank gets its
+    part of every section."""
+    if sections == 1:
+        return x
+    parts = [sec.chunk(tp, 0) for sec in x.chunk(sections, 0)]
+    return torch.cat([parts[s][r] for r in range(tp) for s in range(sections)], dim=0)
+
+
+def unpermute_sections(x: torch.Tensor, sections: int, tp: int) -> torch.Tensor:
+    """Inverse of :func:`permute_sections`."""
+    if sections == 1:
+        return x
+    per_rank = [c.chunk(sections, 0) for c in x.chunk(tp, 0)]
+    return torch.cat([per_rank[r][s] for s in range(sections) for r in range(tp)], dim=0)
 
 
 def _comm_or_local(tp_comm: Comm | None) -> Comm:
@@ -174,6 +232,8 @@ class ColumnParallelLinear(nn.Module):
                                      (out_features, in_features))
         self.bias = None if b is None else mark_partition(nn.Parameter(b.chunk(n, 0)[r].clone()), 0,
                                                           self.tp_comm, (out_features,))
+        self.sections = 1  # set by shard_tp for fused projections (rows permuted, see permute_sections)
+        _guard_state(self)
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, tp_comm: Comm | None = None, *,
@@ -233,6 +293,7 @@ class RowParallelLinear(nn.Module):
                                      (out_features, in_features))
         self.bias = None if b is None else mark_partition(nn.Parameter(b), None, self.tp_comm,
                                                           (out_features,))
+        _guard_state(self)
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, tp_comm: Comm | None = None, *,
@@ -263,3 +324,32 @@ class RowParallelLinear(nn.Module):
         return (f"in_features={self.in_features} (local {self.weight.shape[1]}), "
                 f"out_features={self.out_features}, tp={self.tp_comm.size}, "
                 f"input_is_parallel={self.input_is_parallel}")
+
+
+class TPInputGather(nn.Module):
+    """Calls a TP model on the union of the TP group's input slices (all-gathered in rank order).
+
+    TP peers compute on the same microbatch. When every rank of a run is handed its own slice of the
+    global batch (as data parallelism does), this wrapper all-gathers every tensor argument
+    (positional or keyword) over the TP group (tag ``"tp:input"``, one all-gather each; other values
+    pass through), so the TP group computes on the union. Returns whatever the wrapped model returns.
+    """
+
+    def __init__(self, module: nn.Module, comm: Comm) -> None:
+        super().__init__()
+        self.module = module
+        self.comm = comm
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        if self.comm.size == 1:
+            return x
+        x = x.contiguous()
+        buf = torch.empty((self.comm.size, *x.shape), dtype=x.dtype, device=x.device)
+        self.comm.all_gather(buf, x, tag="tp:input")
+        return buf.reshape(-1, *x.shape[1:])
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        def g(a: Any) -> Any:
+            return self._gather(a) if isinstance(a, torch.Tensor) else a
+
+        return self.module(*(g(a) for a in args), **{k: g(v) for k, v in kwargs.items()})

@@ -58,6 +58,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lowband.comm import Comm
+from lowband.train.errors import warn
 
 if TYPE_CHECKING:
     from lowband.train.config import Config
@@ -75,6 +76,11 @@ OLD_PREFIX = ".old-step-"
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used: missing, not committed, corrupt, or from a different run setup.
     The message names the checkpoint and what differs."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save failed (disk full, permission, ...) on every rank alike; the message names the cause and the
+    previous checkpoint, which stays valid (the failed save's temporary folder is removed)."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +149,63 @@ def latest_checkpoint(directory: str | os.PathLike) -> CheckpointInfo | None:
     """The newest committed checkpoint in ``directory``, or ``None``."""
     found = list_checkpoints(directory)
     return found[-1] if found else None
+
+
+UNREADABLE_SUFFIX = ".unreadable"
+
+
+def unreadable_newer(directory: str | os.PathLike, than: int) -> list[tuple[Path, str]]:
+    """``step-<N>`` folders with ``N > than`` whose marker cannot be read, with the reason (oldest first)."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    out = []
+    for child in sorted(d.iterdir(), key=lambda c: _step_of(c.name) or -1):
+        step = _step_of(child.name)
+        if step is None or step <= than or not child.is_dir():
+            continue
+        try:
+            read_marker(child)
+        except CheckpointError as e:
+            out.append((child, str(e)))
+    return out
+
+
+def move_aside(path: Path) -> Path:
+    """Rename an unreadable checkpoint folder to ``<name>.unreadable[.k]`` (never considered, never pruned)."""
+    target = path.with_name(path.name + UNREADABLE_SUFFIX)
+    k = 1
+    while target.exists():
+        target = path.with_name(f"{path.name}{UNREADABLE_SUFFIX}.{k}")
+        k += 1
+    os.replace(path, target)
+    return target
+
+
+def check_metadata(path: Path, verify: bool) -> None:
+    """DCP's ``.metadata`` of checkpoint ``path`` must unpickle; raise :class:`CheckpointError` naming it."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        FileSystemReader(str(path)).read_metadata()
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        hint = "" if verify else ("; checkpoint.verify = false skips the SHA-256 check that names any altered "
+                                  "file before loading")
+        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: file '.metadata' (DCP's index of the saved "
+                              f"tensors) cannot be read ({type(e).__name__}: {first[:200]}){hint}") from e
+
+
+def _root_cause(e: BaseException) -> str:
+    """``Type: message`` of the first failure inside a DCP ``CheckpointException`` (or of ``e`` itself)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        inner = next(iter(e.failures.values()))
+        e = inner[0] if isinstance(inner, tuple) else inner
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if "inline_container" in first and "unexpected pos" in first:  # torch's zip writer lost bytes
+        return ("a write was cut short: disk full or a file-size limit; torch: "
+                + first[first.index("unexpected pos"):][:100])
+    return f"{type(e).__name__}: {first[:300]}" if first else type(e).__name__
 
 
 def _distributed() -> bool:
@@ -225,6 +288,14 @@ def describe_mismatch(saved: dict[str, Any], expected: dict[str, Any]) -> list[s
             if list(sp[name][0]) != list(ep[name][0]) or sp[name][1] != ep[name][1]:
                 diffs.append(f"parameter {name}: checkpoint shape {list(sp[name][0])} {sp[name][1]}, this run "
                              f"{list(ep[name][0])} {ep[name][1]}")
+    if "seed" in saved and "seed" in expected and saved["seed"] != expected["seed"]:
+        diffs.append(f"run.seed: checkpoint {saved['seed']!r}, this run {expected['seed']!r} (the data order "
+                     "follows the seed; resume with the checkpoint's run.seed, or set checkpoint.resume = none)")
+    sd, ed = saved.get("data"), expected.get("data")
+    if isinstance(sd, dict) and isinstance(ed, dict) and sd != ed:
+        diffs.append(f"data: checkpoint trained on {sd.get('train_tokens')!r} tokens of data.source = "
+                     f"{sd.get('source')!r}, this run has {ed.get('train_tokens')!r} tokens of {ed.get('source')!r} "
+                     "(other data: the data position would not match)")
     if saved.get("global_batch") != expected["global_batch"]:
         diffs.append(f"global batch (data.batch_size x world size): checkpoint {saved.get('global_batch')!r}, "
                      f"this run {expected['global_batch']!r} (the data position would not match)")
@@ -273,22 +344,49 @@ class CheckpointManager:
         self.wait()
         t0 = time.perf_counter()
         tmp = self.directory / f"{TMP_PREFIX}{step}"
+        error = None
         if self.comm.rank == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-        self.comm.barrier(tag="ckpt")
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                tmp.mkdir(parents=True)
+            except OSError as e:
+                error = self._save_error(step, e)
+        self._agree(error)
         meta = dict(meta, step=step, format=FORMAT_VERSION)
         if self.async_save:
             fut = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group,
                                  no_dist=not _distributed())
             self._pending = (fut, step, tmp, meta)
         else:
-            with _quiet_single_process():
-                dcp.save(state, checkpoint_id=str(tmp), no_dist=not _distributed())
+            try:
+                with _quiet_single_process():
+                    dcp.save(state, checkpoint_id=str(tmp), no_dist=not _distributed())
+            except (Exception, CheckpointException) as e:  # DCP raises the same failure on every rank
+                self._fail(step, tmp, e)
             self._commit(step, tmp, meta)
         self.last_save_s = time.perf_counter() - t0
+
+    def _save_error(self, step: int, e: BaseException) -> str:
+        prev = latest_checkpoint(self.directory)
+        stays = (f"the previous checkpoint {str(prev.path)!r} (step {prev.step}) stays valid" if prev is not None
+                 else "there is no earlier checkpoint")
+        return f"checkpoint save of step {step} into {str(self.directory)!r} failed ({_root_cause(e)}); {stays}"
+
+    def _agree(self, error: str | None) -> None:
+        """Collective: raise the same :class:`CheckpointSaveError` on every rank if any rank has ``error``."""
+        errors = self.comm.all_gather_object(error, tag="ckpt") if self.comm.size > 1 else [error]
+        first = next((e for e in errors if e), None)
+        if first is not None:
+            raise CheckpointSaveError(first)
+
+    def _fail(self, step: int, tmp: Path, e: BaseException) -> None:
+        """Every rank: a save failed alike everywhere; rank 0 removes the partial folder; raise."""
+        message = self._save_error(step, e)
+        if self.comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointSaveError(message) from (e if isinstance(e, Exception) else None)
 
     def wait(self) -> None:
         """Collective: finish and commit an in-flight async save (no-op when none)."""
@@ -296,39 +394,57 @@ class CheckpointManager:
             return
         fut, step, tmp, meta = self._pending
         self._pending = None
-        fut.result()
+        try:
+            fut.result()
+        except (Exception, CheckpointException) as e:
+            self._fail(step, tmp, e)
         self._commit(step, tmp, meta)
 
     def _commit(self, step: int, tmp: Path, meta: dict[str, Any]) -> None:
         """Every rank has written its part of ``tmp``: rank 0 writes the marker and renames atomically."""
         self.comm.barrier(tag="ckpt")
+        error = None
         if self.comm.rank == 0:
-            files = {}
-            for f in sorted(tmp.iterdir()):
-                if f.is_file() and f.name != MARKER:
-                    files[f.name] = {"size": f.stat().st_size, "sha256": _sha256(f) if self.verify else ""}
-            if ".metadata" not in files:
-                raise CheckpointError(f"checkpoint save into {str(tmp)!r} produced no DCP .metadata")
-            meta = dict(meta, files=files, saved_at=time.time())
-            part = tmp / (MARKER + ".part")
-            with part.open("w") as fh:
-                json.dump(meta, fh, indent=1, sort_keys=True)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(part, tmp / MARKER)
-            _fsync_dir(tmp)
-            final = self.directory / f"{STEP_PREFIX}{step}"
-            old = self.directory / f"{OLD_PREFIX}{step}"
-            if final.exists():  # re-saving a step (e.g. a resumed run ending where it started)
-                if old.exists():
-                    shutil.rmtree(old)
-                os.replace(final, old)
-            os.replace(tmp, final)
-            _fsync_dir(self.directory)
+            try:
+                self._commit_rank0(step, tmp, meta)
+            except (OSError, CheckpointError) as e:
+                error = self._save_error(step, e)
+                shutil.rmtree(tmp, ignore_errors=True)
+        self._agree(error)
+
+    def _commit_rank0(self, step: int, tmp: Path, meta: dict[str, Any]) -> None:
+        """Rank 0: write the marker into ``tmp``, rename it to ``step-<step>``, prune."""
+        files = {}
+        for f in sorted(tmp.iterdir()):
+            if f.is_file() and f.name != MARKER:
+                files[f.name] = {"size": f.stat().st_size, "sha256": _sha256(f) if self.verify else ""}
+        if ".metadata" not in files:
+            raise CheckpointError(f"checkpoint save into {str(tmp)!r} produced no DCP .metadata")
+        meta = dict(meta, files=files, saved_at=time.time())
+        part = tmp / (MARKER + ".part")
+        with part.open("w") as fh:
+            json.dump(meta, fh, indent=1, sort_keys=True)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(part, tmp / MARKER)
+        _fsync_dir(tmp)
+        final = self.directory / f"{STEP_PREFIX}{step}"
+        old = self.directory / f"{OLD_PREFIX}{step}"
+        if final.exists():
+            try:
+                read_marker(final)
+            except CheckpointError as e:  # never overwrite an unreadable checkpoint silently
+                aside = move_aside(final)
+                warn(f"{e}; moved it to {aside.name!r} before saving step {step} there")
+        if final.exists():  # re-saving a step (e.g. a resumed run ending where it started)
             if old.exists():
-                shutil.rmtree(old, ignore_errors=True)
-            self._prune()
-        self.comm.barrier(tag="ckpt")
+                shutil.rmtree(old)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(self.directory)
+        if old.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        self._prune()
 
     def _prune(self) -> None:
         """Rank 0: keep the newest ``keep_last`` committed checkpoints; drop stale temporary folders."""
@@ -353,12 +469,18 @@ class CheckpointManager:
             try:
                 if path is None:
                     info = latest_checkpoint(self.directory)
+                    where = f"resuming from {str(info.path)!r}" if info is not None else "starting from step 0"
+                    for bad, reason in unreadable_newer(self.directory, -1 if info is None else info.step):
+                        aside = move_aside(bad)
+                        warn(f"skipping the newest checkpoint: {reason}; moved it to {aside.name!r} (so no "
+                             f"save overwrites it); {where}")
                 else:
                     p = Path(path)
                     meta = read_marker(p)
                     info = CheckpointInfo(p, int(meta["step"]), meta)
                 if info is not None:
                     verify_files(info.path, info.meta, hashes=self.verify)
+                    check_metadata(info.path, self.verify)
                 result = ("ok", None if info is None else (str(info.path), info.step, info.meta))
             except CheckpointError as e:
                 result = ("error", str(e))
@@ -383,8 +505,10 @@ class CheckpointManager:
                 dcp.load(state, checkpoint_id=str(info.path), no_dist=not _distributed())
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise CheckpointError(f"checkpoint {str(info.path)!r} could not be loaded: {type(e).__name__}: "
-                                  f"{first[:500]}") from e
+            hint = "" if self.verify else (" (checkpoint.verify = false: the files' SHA-256 were not checked; "
+                                           "one of them may be damaged)")
+            raise CheckpointError(f"checkpoint {str(info.path)!r} could not be loaded: {_root_cause(e) or first}"
+                                  f"{hint}") from (e if isinstance(e, Exception) else None)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -451,19 +575,34 @@ class TrainCheckpointer:
                 "model": dataclasses.asdict(cfg.model), "dtype": cfg.run.dtype,
                 "params": {k: [list(s), d] for k, (s, d) in self.strategy.param_shapes().items()},
                 "global_batch": cfg.data.batch_size * self.env.world_size, "world_size": self.env.world_size,
-                "torch": torch.__version__}
+                "torch": torch.__version__, "seed": cfg.run.seed,
+                "data": {"source": cfg.data.source, "train_tokens": int(np.asarray(self.loader.tokens).size)}}
 
     def _state(self, rng_rank: int, trainer_blob: bytes = b"", rng_blob: bytes = b"") -> dict[str, Any]:
         return {"strategy": self.strategy.state_dict(), "trainer": trainer_blob,
                 f"rng_rank{rng_rank}": rng_blob}
 
-    def save(self, step: int) -> None:
-        """Collective: checkpoint the state after ``step`` optimizer steps."""
+    def save(self, step: int) -> bool:
+        """Collective: checkpoint the state after ``step`` optimizer steps; ``False`` when the save failed and
+        ``checkpoint.on_save_error = continue`` (rank 0 printed a warning).
+
+        Raises:
+            CheckpointSaveError: the save failed (on every rank alike) and ``on_save_error = stop``.
+        """
         assert self.manager is not None
         trainer = {"step": step, "scheduler": self.scheduler.state_dict(), "loader": self.loader.state_dict(),
                    "guard": self.guard.state_dict() if self.guard is not None else None}
         state = self._state(self.env.rank, pickle.dumps(trainer), pickle.dumps(rng_state()))
-        self.manager.save(step, state, self.expected_meta())
+        try:
+            self.manager.save(step, state, self.expected_meta())
+        except CheckpointSaveError as e:
+            if getattr(self.cfg.checkpoint, "on_save_error", "stop") == "continue":
+                if self.env.is_main:
+                    warn(f"{e}; training continues (checkpoint.on_save_error = continue)")
+                return False
+            raise CheckpointSaveError(f"{e}; the run stops (set checkpoint.on_save_error = continue to train on "
+                                      "without it)") from e
+        return True
 
     def due(self, step: int, final: bool) -> bool:
         """Whether to save after ``step`` steps (``final``: the run ends or stops here)."""
@@ -480,6 +619,10 @@ class TrainCheckpointer:
         diffs = describe_mismatch(info.meta, self.expected_meta())
         if diffs:
             raise CheckpointError(f"checkpoint {str(info.path)!r} does not match this run: " + "; ".join(diffs))
+        if info.step > self.cfg.run.steps:
+            raise CheckpointError(f"checkpoint {str(info.path)!r} is at step {info.step}, past run.steps = "
+                                  f"{self.cfg.run.steps}; raise run.steps to train on from it, or set "
+                                  "checkpoint.resume = none to start over")
         saved_world = int(info.meta.get("world_size", 1))
         self.strategy.prepare_resume()
         state = self._state(self.env.rank % saved_world)
@@ -487,7 +630,10 @@ class TrainCheckpointer:
         self.strategy.load_state_dict(state["strategy"])
         trainer = pickle.loads(state["trainer"])
         self.scheduler.load_state_dict(trainer["scheduler"])
-        self.loader.load_state_dict(trainer["loader"])
+        try:
+            self.loader.load_state_dict(trainer["loader"])
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {str(info.path)!r} does not match this run's data: {e}") from e
         if self.guard is not None and trainer.get("guard") is not None:
             self.guard.load_state_dict(trainer["guard"])
         set_rng_state(pickle.loads(state[f"rng_rank{self.env.rank % saved_world}"]))
@@ -495,6 +641,9 @@ class TrainCheckpointer:
             raise CheckpointError(f"checkpoint {str(info.path)!r} is corrupt: folder step {info.step} but saved "
                                   f"trainer step {trainer['step']}")
         self.resumed_from = info
+        if info.step == self.cfg.run.steps and self.env.is_main:
+            print(f"lowband.train: checkpoint {str(info.path)!r} is at run.steps = {info.step}: the run is "
+                  "complete, nothing to train (raise run.steps to train further)", flush=True)
         return info.step
 
     def close(self) -> None:

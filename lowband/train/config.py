@@ -52,9 +52,22 @@ class RunConfig:
 
 @dataclass(kw_only=True)
 class ModelConfig:
+    """The model: lowband's reference GPT from these keys, or the user's own model from ``factory``."""
+
+    factory: str = ""
+    """``package.module:function`` that builds the model instead of lowband's GPT (docs/adopt.md). Called
+    on every rank as ``function(cfg)`` after ``torch.manual_seed(run.seed)``; returns an ``nn.Module``, or
+    ``(module, lowband.plan.ModelPlan)`` (else ``module.lowband_plan()`` or the generic rules). The GPT
+    keys below other than vocab_size and seq_len are then the factory's to read or ignore."""
+    forward: str = "auto"
+    """How the trainer gets the loss (:mod:`lowband.train.forward`): targets (``model(x, y)`` returns the
+    loss, ``(logits, loss)`` or an object with ``.loss``) | logits (``model(x)`` returns logits or an object
+    with ``.logits``; the trainer takes the next-token cross-entropy) | auto (logits for a Hugging Face
+    ``transformers`` model, else targets)."""
     vocab_size: int = 320
     """Embedding rows (the byte tokenizer needs 258; 320 is padded to a multiple of 64)."""
     seq_len: int = 128
+    """Tokens per training sequence (the data loader's window)."""
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128
@@ -103,32 +116,98 @@ class OptimConfig:
 
 @dataclass(kw_only=True)
 class StrategyConfig:
+    """Which strategy distributes the model, and the gradient wire every data-parallel strategy shares.
+
+    Each strategy's own knobs live in its section: ``[sharded]``, ``[sparse]``, ``[gtp]``, ``[tp]``,
+    ``[diloco]``. The keys that used to sit here (``strategy.gtp_size`` ...) are refused with a message
+    naming their new key (:data:`MOVED_KEYS`).
+    """
+
     name: str = "ddp"
     """How the model is distributed; see ``lowband.train.strategies.available()``."""
     bucket_mb: float = 25.0
-    """Gradient bucket size in MB (DDP and the sharded optimizers)."""
+    """Gradient bucket size in MB (ddp, sharded-*, diloco's inner data parallelism)."""
     grad_wire_dtype: str = "float32"
-    """Gradients travel as float32 | bfloat16 (the reduction accumulates in fp32)."""
+    """Gradients travel as float32 | bfloat16 (the reduction accumulates in fp32): ddp, sharded-*, gtp, diloco."""
+
+    def __getattr__(self, key: str) -> Any:
+        if key in MOVED_KEYS.get("strategy", {}):
+            raise AttributeError(moved_key_message("strategy", key))
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {key!r}")
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        if key in MOVED_KEYS.get("strategy", {}):
+            raise AttributeError(moved_key_message("strategy", key))
+        object.__setattr__(self, key, value)
+
+
+@dataclass(kw_only=True)
+class ShardedConfig:
+    """Strategies ``sharded-adamw`` and ``sharded-muon`` (docs/sharded_optim.md)."""
+
     param_wire_dtype: str = "float32"
-    """strategies sharded-*: updated parameters are all-gathered as float32 | bfloat16 (bf16: the owner
-    keeps an fp32 master of its slice; every rank computes with the bf16-rounded weights)."""
-    gtp_size: int = 0
-    """strategy gtp: GTP group size (0 = the whole world); must divide run.world_size (rest is DP)."""
-    gtp_gather: str = "native"
-    """strategy gtp: weight all-gather format native | bf16 | fp8 (e4m3, per-block fp32 scales)."""
-    gtp_fp8_block: int = 32
-    """strategy gtp: fp8 scaling block edge (block = gtp_fp8_block x gtp_fp8_block weight elements)."""
-    gtp_finalize_depth: int = 2
-    """strategy gtp: reduce-scatters left in flight before the oldest is finalized."""
-    tp_size: int = 0
-    """strategy tp: tensor-parallel group size (0 = the whole world); must divide run.world_size (rest is DP)."""
-    tp_optimizer: str = "rekls"
-    """strategy tp: rekls (TP-REKLS on the sharded block matrices, AdamW elsewhere) | adamw."""
-    sparse_embeddings: list[str] = field(default_factory=list)
-    """strategies sharded-*: tables whose gradient travels row-sparse: bigram | tok_emb (docs/sparse.md);
-    other strategies ignore it."""
-    sparse_mode: str = "auto"
-    """strategies sharded-*: sparse tables per step: auto (cheaper in bytes) | sparse | dense."""
+    """Updated parameters are all-gathered as float32 | bfloat16 (bf16: the owner keeps an fp32 master of
+    its slice; every rank computes with the bf16-rounded weights)."""
+
+
+@dataclass(kw_only=True)
+class SparseConfig:
+    """Row-sparse embedding-gradient exchange under ``sharded-*`` (docs/sparse.md); other strategies ignore it."""
+
+    tables: list[str] = field(default_factory=list)
+    """Tables whose gradient travels row-sparse, by the name the model plan gives them
+    (``lowband.plan.SparseTableSpec.name``; lowband's GPT: bigram | tok_emb)."""
+    mode: str = "auto"
+    """Per step: auto (whichever is cheaper in bytes) | sparse | dense."""
+
+
+@dataclass(kw_only=True)
+class GTPConfig:
+    """Strategy ``gtp``: generalized tensor parallelism (docs/gtp.md)."""
+
+    size: int = 0
+    """GTP group size (0 = the whole world); must divide the world size (the rest is data parallel)."""
+    gather: str = "native"
+    """Weight all-gather format: native | bf16 | fp8 (e4m3, per-block fp32 scales)."""
+    fp8_block: int = 32
+    """fp8 scaling block edge (block = fp8_block x fp8_block weight elements)."""
+    finalize_depth: int = 2
+    """Reduce-scatters left in flight before the oldest is finalized."""
+
+
+@dataclass(kw_only=True)
+class TPConfig:
+    """Strategy ``tp``: tensor parallelism with TP-REKLS or AdamW (docs/rekls.md)."""
+
+    size: int = 0
+    """Tensor-parallel group size (0 = the whole world); must divide the world size (the rest is DP)."""
+    optimizer: str = "rekls"
+    """rekls (TP-REKLS on the sharded block matrices, AdamW elsewhere) | adamw."""
+
+
+MOVED_KEYS: dict[str, dict[str, str]] = {
+    "strategy": {
+        "param_wire_dtype": "sharded.param_wire_dtype",
+        "sparse_embeddings": "sparse.tables",
+        "sparse_mode": "sparse.mode",
+        "gtp_size": "gtp.size",
+        "gtp_gather": "gtp.gather",
+        "gtp_fp8_block": "gtp.fp8_block",
+        "gtp_finalize_depth": "gtp.finalize_depth",
+        "tp_size": "tp.size",
+        "tp_optimizer": "tp.optimizer",
+    },
+}
+"""Keys that moved out of the flat ``[strategy]`` section: ``{section: {old key: new "section.key"}}``.
+A config (TOML, CLI override, or attribute access on :class:`StrategyConfig`) that uses an old key fails
+with one line naming the new one."""
+
+
+def moved_key_message(section: str, key: str) -> str:
+    """The one-line error for a key that moved (see :data:`MOVED_KEYS`)."""
+    new = MOVED_KEYS[section][key]
+    nsec, nkey = new.split(".", 1)
+    return f"config key '{section}.{key}' moved to '{new}' (in TOML: [{nsec}] {nkey} = ...; on the CLI: --{new}=...)"
 
 
 @dataclass(kw_only=True)
@@ -151,9 +230,17 @@ class DilocoConfig:
     outer_momentum: float = 0.9
     outer_nesterov: bool = True
     wire: str = "fp32"
-    """Pseudo-gradient wire format: fp32 | bf16 | fp8 | int8 (fp8/int8 with per-block fp32 scales)."""
+    """Pseudo-gradient wire format: fp32 | bf16 | fp8 | int8 | int4 | int2 | topk | topk-int4 | topk-int2
+    (fp8/int8/int4/int2 with per-block fp32 scales; topk* keep topk_k of every topk_chunk values)."""
     block_size: int = 256
-    """Elements per scale for fp8 / int8."""
+    """Elements per scale for fp8 / int8 / int4 / int2 (and the kept values of topk-int4 / topk-int2)."""
+    topk_chunk: int = 256
+    """Top-k chunk (power of two); kept positions travel as log2(topk_chunk)-bit offsets."""
+    topk_k: int = 8
+    """Values kept per top-k chunk."""
+    error_feedback: str = "auto"
+    """auto (on for int4/int2/topk*, off for fp32/bf16/fp8/int8) | on | off: keep what the codec dropped
+    and add it to the fragment's next pseudo-gradient."""
     bucket_mb: float = 0.0
     """Bucket cap of a fragment's outer all-reduce in MB; 0 = one bucket per fragment."""
 
@@ -174,6 +261,8 @@ class CheckpointConfig:
     """latest (newest committed checkpoint in ``dir``, if any, when ``every > 0``) | none | a step-<N> path."""
     verify: bool = True
     """Record SHA-256 of every checkpoint file at save and check it (rank 0) before loading."""
+    on_save_error: str = "stop"
+    """A save that fails (disk full, permission): stop (exit 1) | continue (warn, keep training)."""
 
 
 @dataclass(kw_only=True)
@@ -193,6 +282,10 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    sharded: ShardedConfig = field(default_factory=ShardedConfig)
+    sparse: SparseConfig = field(default_factory=SparseConfig)
+    gtp: GTPConfig = field(default_factory=GTPConfig)
+    tp: TPConfig = field(default_factory=TPConfig)
     diloco: DilocoConfig = field(default_factory=DilocoConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
@@ -210,19 +303,22 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.muon_ns_dtype": ("auto", "bfloat16", "float32", "float64"),
     "strategy.grad_wire_dtype": ("float32", "bfloat16"),
     "diloco.inner": ("ddp", "sharded-adamw"),
-    "strategy.param_wire_dtype": ("float32", "bfloat16"),
-    "strategy.gtp_gather": ("native", "bf16", "fp8"),
-    "strategy.tp_optimizer": ("rekls", "adamw"),
-    "strategy.sparse_mode": ("auto", "sparse", "dense"),
+    "model.forward": ("auto", "targets", "logits"),
+    "sharded.param_wire_dtype": ("float32", "bfloat16"),
+    "gtp.gather": ("native", "bf16", "fp8"),
+    "tp.optimizer": ("rekls", "adamw"),
+    "sparse.mode": ("auto", "sparse", "dense"),
+    "checkpoint.on_save_error": ("stop", "continue"),
 }
 POSITIVE: tuple[str, ...] = (
     "run.steps", "run.log_every", "run.val_batches", "run.world_size", "run.timeout_s",
     "model.vocab_size", "model.seq_len", "model.n_layer", "model.n_head", "model.n_embd", "model.mlp_ratio",
     "checkpoint.keep_last", "guard.max_consecutive",
     "data.batch_size", "data.grad_accum", "optim.lr", "strategy.bucket_mb",
+    "gtp.fp8_block",
 )
 NON_NEGATIVE: tuple[str, ...] = (
-    "checkpoint.every",
+    "checkpoint.every", "gtp.size", "gtp.finalize_depth", "tp.size",
     "run.val_every", "run.threads", "model.bigram_rows", "optim.weight_decay", "optim.warmup_steps",
     "optim.min_lr_ratio", "optim.grad_clip", "optim.eps", "optim.muon_lr", "optim.muon_momentum",
 )
@@ -304,6 +400,8 @@ def _apply(cfg: Config, section: str, key: str, value: Any, from_cli: bool) -> N
         raise ConfigError(f"unknown config section {section!r}; allowed: {', '.join(sections)}")
     obj = getattr(cfg, section)
     types_ = _field_types(type(obj))
+    if key in MOVED_KEYS.get(section, {}):
+        raise ConfigError(moved_key_message(section, key))
     if key not in types_:
         raise ConfigError(f"unknown config key '{section}.{key}'; allowed in [{section}]: "
                           f"{', '.join(types_)}")
@@ -360,7 +458,18 @@ def _get(cfg: Config, dotted: str) -> Any:
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
-    """Range and cross-field checks; ``world_size`` (when known) is checked against the strategy."""
+    """Range and cross-field checks; ``world_size`` (when known) is checked against the strategy.
+
+    Every float field must be finite (``optim.lr = inf`` is a config error, not a run that turns every
+    parameter into NaN at step 1).
+    """
+    import math
+
+    for sec in dataclasses.fields(cfg):
+        for f in dataclasses.fields(getattr(cfg, sec.name)):
+            v = getattr(getattr(cfg, sec.name), f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"{sec.name}.{f.name} must be a finite number, got {v!r}")
     for k in POSITIVE:
         v = _get(cfg, k)
         if not v > 0:
@@ -378,13 +487,19 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
     if (m.n_embd // m.n_head) % 2:
         raise ConfigError(f"model.n_embd / model.n_head = {m.n_embd // m.n_head} must be even (rotary)")
+    if cfg.data.source == "builtin" and m.vocab_size < 258:
+        raise ConfigError(f"model.vocab_size = {m.vocab_size} is smaller than the byte tokenizer's 258 ids "
+                          "(data.source = builtin); use model.vocab_size >= 258 (320 is the padded default)")
     if m.bigram_rows == 1:
         raise ConfigError("model.bigram_rows must be 0 (off) or >= 2, got 1")
-    for t in cfg.strategy.sparse_embeddings if cfg.strategy.name.startswith("sharded-") else ():
+    # lowband's GPT: its plan's table names are known here; a factory model's are checked against its
+    # plan when the strategy is set up (every rank alike, before any collective).
+    gpt = not m.factory
+    for t in cfg.sparse.tables if gpt and cfg.strategy.name.startswith("sharded-") else ():
         if t not in ("bigram", "tok_emb"):
-            raise ConfigError(f"strategy.sparse_embeddings: {t!r} is not allowed; allowed: bigram, tok_emb")
+            raise ConfigError(f"sparse.tables: {t!r} is not allowed; allowed: bigram, tok_emb")
         if t == "bigram" and m.bigram_rows == 0:
-            raise ConfigError("strategy.sparse_embeddings = ['bigram'] needs model.bigram_rows >= 2")
+            raise ConfigError("sparse.tables = ['bigram'] needs model.bigram_rows >= 2")
     if cfg.data.batch_size % cfg.data.grad_accum:
         raise ConfigError(f"data.batch_size ({cfg.data.batch_size}) must be divisible by data.grad_accum "
                           f"({cfg.data.grad_accum})")

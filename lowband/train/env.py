@@ -47,7 +47,9 @@ def resolve_device(name: str, local_rank: int) -> torch.device:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError("run.device = cuda but CUDA is not available on this machine")
+            from lowband.train.config import ConfigError
+
+            raise ConfigError("run.device = cuda, but CUDA is not available here; use run.device = cpu or auto")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -57,7 +59,8 @@ def init_distributed(device_name: str = "cpu", timeout_s: float = 300.0) -> Dist
     """Initialize ``torch.distributed`` from torchrun's environment, or use an existing group.
 
     Without ``WORLD_SIZE`` in the environment and no initialized group, returns a 1-rank env (no
-    process group). CPU tensors use gloo, CUDA tensors NCCL (``cpu:gloo,cuda:nccl``).
+    process group). ``LOWBAND_INIT_METHOD`` (set by the CLI's self-launcher) overrides the ``env://``
+    rendezvous. CPU tensors use gloo, CUDA tensors NCCL (``cpu:gloo,cuda:nccl``).
     """
     owns = False
     if dist.is_available() and dist.is_initialized():
@@ -69,6 +72,8 @@ def init_distributed(device_name: str = "cpu", timeout_s: float = 300.0) -> Dist
         device = resolve_device(device_name, local_rank)
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
+        if os.environ.get("LOWBAND_INIT_METHOD"):  # the CLI's self-launcher rendezvous (a FileStore)
+            kwargs.update(init_method=os.environ["LOWBAND_INIT_METHOD"], rank=rank, world_size=world)
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
         owns = True
     else:

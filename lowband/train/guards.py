@@ -1,9 +1,11 @@
 """Guard rails of the training loop: non-finite steps and dead peers.
 
 :class:`NonFiniteGuard` decides, identically on every rank, whether this step's update is applied.
-Communication: one all-reduce (``max``) of ``world_size + 1`` float64 flags per step on the metrics
+Communication: one all-reduce (``max``) of ``world_size + 2`` float64 flags per step on the metrics
 ``Comm`` (tag ``guard``, not counted as training traffic): flag ``r`` says rank ``r``'s loss was NaN/inf,
-the last flag that some rank saw a non-finite gradient norm. Every rank therefore sees the same verdict
+flag ``world_size`` that some rank saw a non-finite gradient norm, and flag ``world_size + 1`` carries the
+number of a signal some rank received (``lowband.train.stop``; 0 = none), so every rank stops after the
+same step. Every rank therefore sees the same verdict
 and either calls ``strategy.optimizer_step()`` or ``strategy.skip_step()``; no rank updates its shard of
 a sharded state while another skips. After ``max_consecutive`` skips in a row (or at the first one when
 skipping is off) every rank raises :class:`NonFiniteStepError` with the same message.
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from lowband.comm import Comm
+from lowband.train import stop
 
 
 class NonFiniteStepError(RuntimeError):
@@ -33,7 +36,15 @@ class NonFiniteStepError(RuntimeError):
 
 
 class PeerFailureError(RuntimeError):
-    """A collective failed because another rank died or stopped responding."""
+    """A collective failed because another rank died or stopped responding.
+
+    ``str(e)`` starts with ``rank R of N:``; ``e.detail`` is the same message without it (the CLI
+    launcher merges identical messages of several ranks).
+    """
+
+    def __init__(self, message: str, detail: str | None = None) -> None:
+        super().__init__(message)
+        self.detail = message if detail is None else detail
 
 
 @dataclass
@@ -47,6 +58,7 @@ class GuardVerdict:
         consecutive: skipped steps in a row, this one included (0 if not skipped).
         total: skipped steps so far in the run.
         message: one line for the log ("" when the step is fine).
+        stop: the number of a signal some rank received (stop after this step), or 0.
     """
 
     skip: bool
@@ -55,6 +67,7 @@ class GuardVerdict:
     consecutive: int = 0
     total: int = 0
     message: str = ""
+    stop: int = 0
 
 
 class NonFiniteGuard:
@@ -89,18 +102,20 @@ class NonFiniteGuard:
             grad_norm: the gradient norm the strategy computed (global, or this rank's view of it).
         """
         world, rank = self.comm.size, self.comm.rank
-        flags = torch.zeros(world + 1, dtype=torch.float64)
+        flags = torch.zeros(world + 2, dtype=torch.float64)
         loss_value = float(loss.detach().double().cpu()) if isinstance(loss, torch.Tensor) else float(loss)
         norm_value = float(grad_norm.detach().double().cpu()) if isinstance(grad_norm, torch.Tensor) \
             else float(grad_norm)
         flags[rank] = 0.0 if math.isfinite(loss_value) else 1.0
         flags[world] = 0.0 if math.isfinite(norm_value) else 1.0
+        flags[world + 1] = float(stop.requested())
         self.comm.all_reduce(flags, "max", tag="guard")
         bad_ranks = [r for r in range(world) if flags[r] > 0]
         bad_norm = bool(flags[world] > 0)
+        stop_signal = int(flags[world + 1])
         if not bad_ranks and not bad_norm:
             self.consecutive = 0
-            return GuardVerdict(skip=False)
+            return GuardVerdict(skip=False, stop=stop_signal)
         what = []
         if bad_ranks:
             what.append(f"non-finite loss on rank{'s' if len(bad_ranks) > 1 else ''} "
@@ -123,7 +138,7 @@ class NonFiniteGuard:
         msg = (f"step {step}: {reason}; update skipped on every rank ({self.consecutive} in a row, "
                f"{self.total} in this run)")
         return GuardVerdict(skip=True, bad_loss_ranks=bad_ranks, bad_grad_norm=bad_norm,
-                            consecutive=self.consecutive, total=self.total, message=msg)
+                            consecutive=self.consecutive, total=self.total, message=msg, stop=stop_signal)
 
     def state_dict(self) -> dict[str, Any]:
         """Counters, for the checkpoint."""
@@ -163,8 +178,7 @@ def peer_failure_guard(rank: int, world_size: int, timeout_s: float) -> Iterator
     except Exception as e:
         if world_size > 1 and is_peer_failure(e):
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise PeerFailureError(
-                f"rank {rank} of {world_size}: a collective failed because a peer process died or stopped "
-                f"responding (process-group timeout run.timeout_s = {timeout_s:g} s); this rank stops. "
-                f"Backend error: {first}") from e
+            detail = (f"a collective failed because a peer process died or stopped responding (process-group "
+                      f"timeout run.timeout_s = {timeout_s:g} s); this rank stops. Backend error: {first}")
+            raise PeerFailureError(f"rank {rank} of {world_size}: {detail}", detail=detail) from e
         raise

@@ -1,6 +1,7 @@
 """The training loop shared by every strategy.
 
-``train(cfg, env)`` builds the model (identical on every rank from ``run.seed``), the data loaders
+``train(cfg, env)`` builds the model (lowband's GPT, or the user's own from ``model_factory`` /
+``model.factory``: :mod:`lowband.train.models`) and its plan, the data loaders
 (each rank a disjoint slice of every global batch), the strategy (which distributes the model and
 owns the optimizer), and runs ``run.steps`` optimizer steps with gradient accumulation, LR schedule,
 clipping, validation and logging. It can be called in-process (tests) or from the CLI
@@ -13,7 +14,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +22,18 @@ import numpy as np
 import torch
 from torch import nn
 
+from lowband.plan import ModelPlan, plan_for
 from lowband.train.checkpoint import TrainCheckpointer
-from lowband.train.config import Config, to_toml
+from lowband.train.config import Config, ConfigError, to_toml
 from lowband.train.env import DistEnv, init_distributed
+from lowband.train.forward import lm_loss, resolve_convention
 from lowband.train.guards import NonFiniteGuard, peer_failure_guard
 from lowband.train.metrics import RunWriter, format_log_line, peak_memory_bytes
+from lowband.train.models import DTYPES, ModelFactory, call_factory, check_plan, gpt_factory, load_factory
 from lowband.train.strategies import get_strategy_class
 from lowband.train.strategies.base import Strategy
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+__all__ = ["DTYPES", "TrainResult", "build_model", "build_model_and_plan", "evaluate", "train"]
 
 
 @dataclass
@@ -44,15 +48,22 @@ class TrainResult:
     """The step the run resumed from (0 = fresh start)."""
     skipped_steps: list[int] = field(default_factory=list)
     """1-based steps whose update the non-finite guard skipped (this run and the checkpointed part)."""
+    stopped_by: int = 0
+    """The signal that stopped the run early (after step ``steps``, every rank alike; 0 = not stopped)."""
 
 
 def build_model(cfg: Config, device: torch.device) -> nn.Module:
-    """The reference GPT from ``cfg.model``, seeded by ``run.seed`` (identical on every rank)."""
-    from lowband.model import GPT, GPTConfig
+    """The model ``cfg.model`` describes (the reference GPT unless ``model.factory`` names another),
+    seeded by ``run.seed``, on ``device`` in ``run.dtype``."""
+    return build_model_and_plan(cfg, device)[0]
 
-    torch.manual_seed(cfg.run.seed)
-    model = GPT(GPTConfig(**asdict(cfg.model)))
-    return model.to(device=device, dtype=DTYPES[cfg.run.dtype])
+
+def build_model_and_plan(cfg: Config, device: torch.device,
+                         model_factory: ModelFactory | None = None) -> tuple[nn.Module, ModelPlan]:
+    """(model, plan) from ``model_factory``, else ``model.factory``, else lowband's GPT
+    (:func:`lowband.train.models.call_factory`)."""
+    factory = model_factory or (load_factory(cfg.model.factory) if cfg.model.factory else gpt_factory)
+    return call_factory(factory, cfg, device)
 
 
 def load_token_arrays(cfg: Config, env: DistEnv) -> tuple[np.ndarray, np.ndarray]:
@@ -91,14 +102,16 @@ def lr_factor(cfg: Config) -> Callable[[int], float]:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: Any, batches: int, env: DistEnv) -> float:
-    """Mean validation loss over ``batches`` fixed batches per rank, averaged over ranks."""
+def evaluate(model: nn.Module, loader: Any, batches: int, env: DistEnv, forward: str = "auto") -> float:
+    """Mean validation loss over ``batches`` fixed batches per rank, averaged over ranks (``forward``: the
+    model's loss convention, :mod:`lowband.train.forward`)."""
     was_training = model.training
+    convention = resolve_convention(model, forward)
     model.eval()
     total = torch.zeros((), dtype=torch.float64)
     for i in range(batches):
         x, y = loader.batch(i)
-        total += model(x.to(env.device), y.to(env.device)).double().cpu()
+        total += lm_loss(model, x.to(env.device), y.to(env.device), convention).double().cpu()
     model.train(was_training)
     mean = total / batches
     env.metrics_comm.all_reduce(mean, "avg", tag="val")
@@ -124,9 +137,13 @@ def _rows_before(path: Path, step: int) -> list[dict[str, Any]]:
     return [r for r in rows if isinstance(r, dict) and r.get("step", step + 1) <= step]
 
 
-def train(cfg: Config, env: DistEnv | None = None, *, write_run_dir: bool = True,
-          log: bool = True, stop_after: int | None = None) -> TrainResult:
+def train(cfg: Config, env: DistEnv | None = None, *, model_factory: ModelFactory | None = None,
+          write_run_dir: bool = True, log: bool = True, stop_after: int | None = None) -> TrainResult:
     """Train per ``cfg``; returns the logged rows and final losses (rank 0 writes the run dir).
+
+    ``model_factory(cfg)`` (or ``model.factory = "module:function"`` in the config) builds the model
+    instead of lowband's GPT and may return ``(model, plan)``; see :mod:`lowband.train.models` and
+    docs/adopt.md. Its forward convention is ``model.forward`` (:mod:`lowband.train.forward`).
 
     With ``[checkpoint] every > 0`` it resumes from the latest checkpoint and saves every ``every`` steps
     and at the end. ``stop_after`` ends the run after that many total steps (as a preemption would; a
@@ -135,10 +152,31 @@ def train(cfg: Config, env: DistEnv | None = None, *, write_run_dir: bool = True
     """
     env = env or init_distributed(cfg.run.device, cfg.run.timeout_s)
     with peer_failure_guard(env.rank, env.world_size, cfg.run.timeout_s):
-        return _train(cfg, env, write_run_dir=write_run_dir, log=log, stop_after=stop_after)
+        return _train(cfg, env, model_factory=model_factory, write_run_dir=write_run_dir, log=log,
+                      stop_after=stop_after)
 
 
-def _train(cfg: Config, env: DistEnv, *, write_run_dir: bool, log: bool, stop_after: int | None) -> TrainResult:
+def _model_and_plan(cfg: Config, env: DistEnv, strategy_cls: type[Strategy],
+                    model_factory: ModelFactory | None) -> tuple[nn.Module, ModelPlan]:
+    """Build the model and check its plan for the strategy (every rank alike, before any collective)."""
+    if model_factory is None and not cfg.model.factory:
+        model = build_model(cfg, env.device)  # module-level lookup: tests may wrap build_model
+        plan = plan_for(model)
+    else:
+        model, plan = build_model_and_plan(cfg, env.device, model_factory)
+    try:
+        check_plan(model, plan, need_parallel_linears=strategy_cls.name if strategy_cls.needs_parallel_linears
+                   else None)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    if plan.vocab_size is not None and cfg.data.source == "builtin" and plan.vocab_size < 258:
+        raise ConfigError(f"the model's vocabulary ({plan.vocab_size}, from its plan) is smaller than the byte "
+                          "tokenizer's 258 ids (data.source = builtin)")
+    return model, plan
+
+
+def _train(cfg: Config, env: DistEnv, *, model_factory: ModelFactory | None, write_run_dir: bool, log: bool,
+           stop_after: int | None) -> TrainResult:
     from lowband.data import DistributedLoader
 
     _set_threads(cfg)
@@ -150,8 +188,10 @@ def _train(cfg: Config, env: DistEnv, *, write_run_dir: bool, log: bool, stop_af
                                seed=cfg.run.seed)
     val_loader = DistributedLoader(val_tokens, micro, cfg.model.seq_len, env.rank, env.world_size,
                                    seed=cfg.run.seed + 1)
-    model = build_model(cfg, env.device)
+    model, plan = _model_and_plan(cfg, env, strategy_cls, model_factory)
     strategy = strategy_cls(cfg, env)
+    strategy.plan = plan
+    strategy.forward = resolve_convention(model, cfg.model.forward)
     strategy.setup(model)
     schedule = torch.optim.lr_scheduler.LambdaLR(strategy.optimizer, lr_factor(cfg))
     guard = NonFiniteGuard(env.metrics_comm, cfg.guard.skip_nonfinite, cfg.guard.max_consecutive)
@@ -175,6 +215,7 @@ def _train(cfg: Config, env: DistEnv, *, write_run_dir: bool, log: bool, stop_af
               f"{env.device} | params {nparams:,} | tokens/step "
               f"{cfg.data.batch_size * cfg.model.seq_len * env.world_size:,}", flush=True)
 
+    stopped_by = 0
     ledger = env.ledger
     ledger.mark_step()
     rows: list[dict[str, Any]] = []
@@ -190,7 +231,7 @@ def _train(cfg: Config, env: DistEnv, *, write_run_dir: bool, log: bool, stop_af
         for m in range(cfg.data.grad_accum):
             xs, ys = x[m * micro:(m + 1) * micro], y[m * micro:(m + 1) * micro]
             with strategy.microbatch(last=m == cfg.data.grad_accum - 1):
-                loss = strategy.model(xs, ys)
+                loss = lm_loss(strategy.model, xs, ys, strategy.forward)
                 (loss / cfg.data.grad_accum).backward()
             loss_sum += loss.detach().double()
         grad_norm = strategy.clip_grad_norm(cfg.optim.grad_clip)
@@ -224,18 +265,21 @@ def _train(cfg: Config, env: DistEnv, *, write_run_dir: bool, log: bool, stop_af
             if env.is_main and log:
                 print(format_log_line(row, cfg.run.steps), flush=True)
         if (cfg.run.val_every and (step + 1) % cfg.run.val_every == 0) or is_last:
-            last_val = evaluate(strategy.unwrapped(), val_loader, cfg.run.val_batches, env)
+            last_val = evaluate(strategy.unwrapped(), val_loader, cfg.run.val_batches, env, strategy.forward)
             vrow = {"step": step + 1, "val_loss": last_val}
             rows.append(vrow)
             if writer:
                 writer.write(vrow)
             if env.is_main and log:
                 print(f"step {step + 1:>5}/{cfg.run.steps} | val_loss {last_val:.4f}", flush=True)
-        if checkpointer.due(step + 1, final=step + 1 == end_step):
-            checkpointer.save(step + 1)
+        stop_now = bool(verdict.stop) and step + 1 < end_step  # a signal: every rank stops after this step
+        if checkpointer.due(step + 1, final=step + 1 == end_step or stop_now) and checkpointer.save(step + 1):
             if env.is_main and log:
                 print(f"lowband.train: checkpoint step-{step + 1} ({checkpointer.manager.last_save_s:.2f} s"
                       f"{', async' if cfg.checkpoint.async_save else ''})", flush=True)
+        if stop_now:
+            stopped_by, end_step = verdict.stop, step + 1
+            break
     checkpointer.close()
     if writer:
         writer.close()
@@ -243,4 +287,4 @@ def _train(cfg: Config, env: DistEnv, *, write_run_dir: bool, log: bool, stop_af
             print(f"lowband.train: run directory {run_dir}", flush=True)
     return TrainResult(steps=end_step, final_loss=last_loss, final_val_loss=last_val,
                        run_dir=run_dir if writer else None, rows=rows, strategy=strategy, start_step=start_step,
-                       skipped_steps=list(guard.skipped_steps))
+                       skipped_steps=list(guard.skipped_steps), stopped_by=stopped_by)

@@ -59,6 +59,8 @@ def test_dp_suite_torch_contenders_agree(tmp_path: Path) -> None:
     rows = {r["name"]: r for r in json.loads(out.read_text())["results"]}
     s = json.loads(out.read_text())["config"]["params"] * 4
     for name in ("zero", "fsdp2", "sharded-adamw"):
+        # float32, differently ordered reductions (reduce-scatter vs all-reduce) over a few steps: 1e-5 is ~30
+        # ulps of a loss ~5.7 (eps 6e-8), far above the rounding and far below any real divergence
         assert abs(rows[name]["final_loss"] - rows["ddp"]["final_loss"]) < 1e-5, name
     assert rows["ddp"]["wire_bytes_per_step_per_rank"] == s  # all-reduce: 2(N-1)/N S
     assert rows["zero"]["wire_bytes_per_step_per_rank"] == s + s // 2  # DDP all-reduce + parameter broadcast

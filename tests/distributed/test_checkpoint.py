@@ -260,12 +260,19 @@ def _error_cases(shard: str, root: str) -> dict[str, str]:
     p = variant("uncommitted")
     (p / MARKER).unlink()
     out["uncommitted"] = resume(p)
-    # the marker does not know about .metadata and it is gone: DCP itself fails, wrapped
-    p = variant("dcp_fails")
+    # the marker does not know about .metadata and it is gone: the pre-load check names it
+    p = variant("metadata_gone")
     meta = json.loads((p / MARKER).read_text())
     del meta["files"][".metadata"]
     (p / MARKER).write_text(json.dumps(meta))
     (p / ".metadata").unlink()
+    out["metadata_gone"] = resume(p)
+    # the marker does not know about the data file and it is truncated: DCP itself fails, wrapped
+    p = variant("dcp_fails")
+    meta = json.loads((p / MARKER).read_text())
+    del meta["files"]["__0_0.distcp"]
+    (p / MARKER).write_text(json.dumps(meta))
+    (p / "__0_0.distcp").write_bytes(b"\0" * 10)
     out["dcp_fails"] = resume(p)
     p = variant("other_strategy")
     meta = json.loads((p / MARKER).read_text())
@@ -287,6 +294,8 @@ def test_corrupt_and_mismatched_checkpoints_give_clear_errors(shard: str, tmp_pa
     assert "is corrupt: file '.metadata' is missing" in out["no_metadata"]
     assert f"is corrupt: {MARKER} is not valid JSON" in out["bad_marker"]
     assert f"is not committed: {MARKER} is missing" in out["uncommitted"]
+    assert "is corrupt: file '.metadata' (DCP's index of the saved tensors) cannot be read (FileNotFoundError" \
+        in out["metadata_gone"]
     assert "could not be loaded" in out["dcp_fails"]
     assert ("does not match this run: strategy: checkpoint 'gtp' (state format 'gtp-sharded'), this run 'single' "
             "(state format 'replicated')") in out["other_strategy"]

@@ -32,7 +32,7 @@ def gtp_config(shard: str, world: int, *, steps: int = 4, ckpt_dir: str = "", ev
     cfg.model.vocab_size = 258  # not a multiple of 4: padded shards
     cfg.data.source, cfg.data.train_bin, cfg.data.batch_size = "bin", shard, GLOBAL_BATCH // world
     cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.weight_decay, cfg.optim.grad_clip = 1e-2, 1, 0.1, 0.5
-    cfg.strategy.name, cfg.strategy.gtp_size = "gtp", gtp_size
+    cfg.strategy.name, cfg.gtp.size = "gtp", gtp_size
     cfg.checkpoint.dir, cfg.checkpoint.every = ckpt_dir, every
     return cfg
 

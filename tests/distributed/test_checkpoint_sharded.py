@@ -73,10 +73,10 @@ def test_sharded_stop_and_resume_is_bitwise_exact(shard: str, tmp_path: Path, st
                                                   sparse: tuple[str, ...]) -> None:
     """The last case sends the token embedding's gradient row-sparse (its AdamW state is an ordinary unit)."""
     base = sharded_config(shard, world, strategy)
-    base.strategy.sparse_embeddings = list(sparse)
+    base.sparse.tables = list(sparse)
     full = run_ranks(_run, world, base)
     cfg = sharded_config(shard, world, strategy, ckpt_dir=str(tmp_path), every=2)
-    cfg.strategy.sparse_embeddings = list(sparse)
+    cfg.sparse.tables = list(sparse)
     first = run_ranks(_run, world, cfg, stop_after=2)
     second = run_ranks(_run, world, cfg)
     assert [c.step for c in list_checkpoints(tmp_path)] == [2, 4]
@@ -137,7 +137,7 @@ def test_sharded_fp32_masters_resume_bitwise(shard: str, tmp_path: Path, strateg
 
     def config(**kw) -> Config:
         cfg = sharded_config(shard, world, strategy, **kw)
-        cfg.run.dtype, cfg.strategy.param_wire_dtype = dtype, "bfloat16"
+        cfg.run.dtype, cfg.sharded.param_wire_dtype = dtype, "bfloat16"
         cfg.optim.muon_ns_dtype = "float32"
         return cfg
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lowband.comm import Comm, CommLedger
-from lowband.comm.codecs import chunk_layout, get_codec, reference_all_reduce
+from lowband.comm.codecs import Codec, chunk_layout, get_wire, reference_wire_all_reduce, sender_roundtrip
 from lowband.diloco import ScheduleConfig, StreamingDiLoCo, plan, replica_mesh
 from lowband.optim import ShardedAdamW
 from lowband.testing import run_ranks
@@ -73,12 +73,15 @@ def _replica_worker(cfg: dict) -> dict:
     snaps: list[dict] = []
     diloco = StreamingDiLoCo(model, opt, comm=cross, sync_every=cfg["H"], fragments=cfg["n"],
                              delay=cfg["tau"], alpha=cfg["alpha"], wire=cfg["wire"],
-                             block_size=cfg.get("block", 16), bucket_cap_mb=cfg.get("bucket_cap_mb"))
+                             block_size=cfg.get("block", 16), bucket_cap_mb=cfg.get("bucket_cap_mb"),
+                             topk_chunk=cfg.get("chunk", 8), topk_k=cfg.get("k", 2),
+                             error_feedback=cfg.get("ef"))
 
     def on_sync(d: StreamingDiLoCo, i: int) -> None:
         snaps.append({"committed": d.committed, "fragment": i,
                       "globals": [[g.clone() for g in gs] for gs in d.globals],
-                      "outer": [_outer_state(o) for o in d.outer]})
+                      "outer": [_outer_state(o) for o in d.outer],
+                      "residuals": [None if r is None else r.clone() for r in d.residuals]})
 
     diloco.add_sync_callback(on_sync)
     for step in range(cfg["steps"]):
@@ -116,12 +119,17 @@ def _simulate(cfg: dict, replicas: int) -> dict:
         opts = [torch.optim.AdamW(m.parameters(), lr=cfg["lr"]) for m in models]
         n, h, tau, alpha = cfg["n"], cfg["H"], cfg["tau"], cfg["alpha"]
         k = h // n
-        codec = get_codec(cfg["wire"], cfg.get("block", 16))
+        codec = get_wire(cfg["wire"], cfg.get("block", 16), cfg.get("chunk", 8), cfg.get("k", 2))
+        ef = cfg.get("ef")
+        ef = cfg["wire"] in ("int4", "int2", "topk", "topk-int4", "topk-int2") if ef is None else ef
         # fragments: the default consecutive split, computed on the first model (names are enough)
         from lowband.diloco import split_fragments
         frag_names = [f.names for f in split_fragments(models[0], n)]
         params = [dict(m.named_parameters()) for m in models]
         globals_ = [[params[0][nm].detach().clone() for nm in names] for names in frag_names]
+        buf_dt = torch.float64 if dtype == torch.float64 else torch.float32
+        residuals = [[torch.zeros(sum(params[0][nm].numel() for nm in names), dtype=buf_dt) if ef else None
+                      for names in frag_names] for _ in range(replicas)]
         outer = [torch.optim.SGD(g, lr=0.7, momentum=0.9, nesterov=True) for g in globals_]
         buf_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         cap = cfg.get("bucket_cap_mb")
@@ -148,16 +156,22 @@ def _simulate(cfg: dict, replicas: int) -> dict:
             if local == k - tau:  # prepare: every replica's pseudo-gradient, flat
                 pending = []
                 for r in range(replicas):
-                    pending.append(torch.cat([(g.to(buf_dtype) - params[r][nm].detach().to(buf_dtype))
-                                              .reshape(-1) for g, nm in zip(globals_[f], frag_names[f])]))
+                    pg = torch.cat([(g.to(buf_dtype) - params[r][nm].detach().to(buf_dtype))
+                                    .reshape(-1) for g, nm in zip(globals_[f], frag_names[f])])
+                    pending.append(pg + residuals[r][f] if ef else pg)
             if local == k:  # sync
                 numel = pending[0].numel()
                 esize = 8 if buf_dtype == torch.float64 else 4
                 cap_elems = None if cap is None else max(1, int(cap * 2**20) // esize)
                 bounds = [(0, numel)] if cap_elems is None or cap_elems >= numel else \
                     [(s, min(s + cap_elems, numel)) for s in range(0, numel, cap_elems)]
-                avg = torch.cat([reference_all_reduce([pg[s:e] for pg in pending], codec, "avg")
+                avg = torch.cat([reference_wire_all_reduce([pg[s:e] for pg in pending], codec, "avg")
                                  for s, e in bounds])
+                if ef:  # each replica keeps what its own message dropped, bucket by bucket
+                    for r in range(replicas):
+                        residuals[r][f] = torch.cat([pending[r][s:e] - sender_roundtrip(codec, pending[r][s:e],
+                                                                                         replicas)
+                                                     for s, e in bounds])
                 off = 0
                 for g in globals_[f]:
                     g.grad = avg[off:off + g.numel()].view(g.shape).to(g.dtype).clone()
@@ -176,15 +190,18 @@ def _simulate(cfg: dict, replicas: int) -> dict:
                 local = 0
                 snaps.append({"committed": committed, "fragment": f,
                               "globals": [[g.clone() for g in gs] for gs in globals_],
-                              "outer": [_outer_state(o) for o in outer]})
+                              "outer": [_outer_state(o) for o in outer],
+                              "residuals": [[None if x is None else x.clone() for x in rs] for rs in residuals]})
         return {"snaps": snaps, "models": [[p.detach().clone() for p in m.parameters()] for m in models]}
     finally:
         torch.set_num_threads(threads)
 
 
-def _assert_snaps_equal(a: list[dict], b: list[dict], what: str) -> None:
+def _assert_snaps_equal(a: list[dict], b: list[dict], what: str, replica: int = 0) -> None:
     assert len(a) == len(b), what
     for sa, sb in zip(a, b):
+        for ra, rb in zip(sa["residuals"], sb["residuals"][replica]):  # this replica's own residuals
+            assert (ra is None and rb is None) or torch.equal(ra, rb), f"{what}: residual differs"
         assert sa["committed"] == sb["committed"] and sa["fragment"] == sb["fragment"], what
         for ga, gb in zip(sa["globals"], sb["globals"]):
             for x, y in zip(ga, gb):
@@ -205,11 +222,11 @@ def _check(cfg: dict, world: int) -> list[dict]:
     assert len(sim["snaps"]) == n_syncs and [s["fragment"] for s in sim["snaps"]] == \
         [i % cfg["n"] for i in range(n_syncs)]
     for rank, res in enumerate(out):
-        _assert_snaps_equal(res["snaps"], sim["snaps"], f"rank {rank} vs simulation")
+        _assert_snaps_equal(res["snaps"], sim["snaps"], f"rank {rank} vs simulation", rank // dp)
         for x, y in zip(res["params"], sim["models"][rank // dp]):
             assert torch.equal(x, y), f"rank {rank}: local weights differ from the simulation"
     # ledger: per sync and bucket one all-to-all and one all-gather, exact encoded bytes
-    codec = get_codec(cfg["wire"], cfg.get("block", 16))
+    codec = get_wire(cfg["wire"], cfg.get("block", 16), cfg.get("chunk", 8), cfg.get("k", 2))
     numels = out[0]["frag_numels"]
     for res in out:
         recs = [r for r in res["records"] if r[1] != "diloco:init"]
@@ -223,6 +240,12 @@ def _check(cfg: dict, world: int) -> list[dict]:
             ce = None if cap is None else max(1, int(cap * 2**20) // esize)
             sizes = [numel] if ce is None or ce >= numel else \
                 [min(ce, numel - s) for s in range(0, numel, ce)]
+            if not isinstance(codec, Codec):  # message codec: one all-gather of the messages per bucket
+                for sz in sizes:
+                    mb = codec.message_nbytes(sz)
+                    expect.append(("all_gather", f"diloco:frag{f}", replicas * mb, (replicas - 1) * mb, "uint8",
+                                   "replica"))
+                continue
             for sz in sizes:
                 eb = codec.encoded_nbytes(chunk_layout(sz, replicas, codec))
                 expect.append(("all_to_all", f"diloco:frag{f}", replicas * eb, (replicas - 1) * eb, "uint8",
@@ -249,6 +272,66 @@ def test_replicas_match_simulation_fp32(world: int) -> None:
 @pytest.mark.parametrize("wire", ["bf16", "fp8", "int8"])
 def test_replicas_match_simulation_quantized(wire: str) -> None:
     _check({**BASE, "wire": wire}, 3)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("wire", ["int4", "int2", "topk", "topk-int4", "topk-int2"])
+def test_message_codecs_with_error_feedback_match_simulation(wire: str, world: int) -> None:
+    """Every replica's global copies, outer state and own residuals after every sync, bit for bit
+    against the single-process simulation (residuals kept per replica, decoded messages summed in
+    rank order), with exact all-gather bytes (float32; chunk 8, k 2, block 4)."""
+    _check({**BASE, "wire": wire, "block": 4}, world)
+
+
+def test_error_feedback_float64_matches_simulation() -> None:
+    """float64 model and buffers: error feedback (int2 and int8 with EF forced on) equals the
+    plain float64 simulation bit for bit, with buckets so residuals straddle bucket boundaries."""
+    _check({**BASE, "dtype": "float64", "wire": "topk-int2", "block": 4, "tau": 0, "alpha": 0.0,
+            "bucket_cap_mb": 400 / 2**20}, 2)
+    _check({**BASE, "dtype": "float64", "wire": "int8", "ef": True, "block": 8}, 2)
+
+
+def test_topk_keeping_everything_equals_dense_fp32() -> None:
+    """k = chunk keeps every value in fp32: the reduction, and so the whole run, equals the dense
+    fp32 path bit for bit (same rank-order sum, same division)."""
+    dense = run_ranks(_replica_worker, 3, {**BASE, "wire": "fp32"}, timeout=90)
+    topk = run_ranks(_replica_worker, 3, {**BASE, "wire": "topk", "chunk": 8, "k": 8}, timeout=90)
+    for a, b in zip(dense, topk):
+        for x, y in zip(a["params"], b["params"]):
+            assert torch.equal(x, y)
+        for sa, sb in zip(a["snaps"], b["snaps"]):
+            assert all(torch.equal(x, y) for ga, gb in zip(sa["globals"], sb["globals"]) for x, y in zip(ga, gb))
+            assert all(r is not None and not bool(r.any()) for r in sb["residuals"])  # nothing dropped
+
+
+def _nonfinite_worker(cfg: dict) -> str:
+    torch.manual_seed(0)
+    model = Net(torch.float32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    comm = Comm(name="replica", ledger=CommLedger())
+    dl = StreamingDiLoCo(model, opt, comm=comm, sync_every=2, wire=cfg["wire"], block_size=4, topk_chunk=8,
+                         topk_k=2)
+    try:
+        for step in range(2):
+            x, y = _batch(dist.get_rank(), 0, step, torch.float32)
+            opt.zero_grad()
+            _loss(model, x, y).backward()
+            if step == 1 and dist.get_rank() == cfg["bad"]:
+                with torch.no_grad():
+                    model.out.bias.grad[0] = float("nan")
+            opt.step()
+    except FloatingPointError as e:
+        assert dl.committed == 0 and dl.in_flight is None
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("wire", ["fp32", "int8", "int2", "topk-int2"])
+def test_nonfinite_pseudo_gradient_is_an_error_on_every_replica(wire: str) -> None:
+    out = run_ranks(_nonfinite_worker, 3, {"wire": wire, "bad": 1}, timeout=90)
+    for rank, msg in enumerate(out):
+        assert "averaged pseudo-gradient of fragment 0" in msg and "non-finite" in msg, (rank, msg)
+        assert ("NOT finite" in msg) == (rank == 1)
 
 
 def test_float64_tau0_alpha0_three_fragments() -> None:
@@ -296,7 +379,8 @@ def _trainer_worker(cfg: Config) -> dict:
     recs = [(r.op, r.tag, r.group, r.wire_bytes) for r in res.strategy.env.ledger.records]
     out = {"globals": [[g.clone() for g in gs] for gs in d.globals], "committed": d.committed,
            "params": [p.detach().clone() for p in res.strategy.unwrapped().parameters()], "records": recs,
-           "outer": [_outer_state(o) for o in d.outer], "numels": [f.numel for f in d.frags]}
+           "outer": [_outer_state(o) for o in d.outer], "numels": [f.numel for f in d.frags],
+           "residuals": [None if r is None else r.clone() for r in d.residuals]}
     d.close()
     return out
 
@@ -328,7 +412,7 @@ def test_trainer_strategy_replicas_agree(shard: str, world: int, replicas: int) 
         assert {r[2] for r in diloco_recs} == {"replica"}
         assert [r[1] for r in diloco_recs if r[0] == "all_to_all"] == \
             ["diloco:frag0", "diloco:frag1", "diloco:frag0", "diloco:frag1"]
-        codec = get_codec("int8", 16)
+        codec = get_wire("int8", 16)
         expect = sum(2 * (n_rep - 1) * codec.encoded_nbytes(chunk_layout(res["numels"][i % 2], n_rep, codec))
                      for i in range(4))
         assert sum(r[3] for r in diloco_recs) == expect
@@ -340,6 +424,24 @@ def test_trainer_strategy_replicas_agree(shard: str, world: int, replicas: int) 
             assert all(torch.equal(x, y) for x, y in zip(a, b))
     if dp == 1:  # different data per replica: local weights differ, global copies agree
         assert not all(torch.equal(x, y) for x, y in zip(out[0]["params"], out[1]["params"]))
+
+
+def test_trainer_message_codec_with_error_feedback(shard: str) -> None:
+    """``diloco.wire = "topk-int2"`` through the trainer (2 replicas): identical global copies on both,
+    residuals on (auto) and different per replica, one all-gather per sync with the exact message bytes."""
+    cfg = _tiny_trainer_config(shard, 2, sync_every=4, fragments=2, delay=1, wire="topk-int2", block_size=16,
+                               topk_chunk=64, topk_k=4)
+    out = run_ranks(_trainer_worker, 2, cfg, timeout=120)
+    codec = get_wire("topk-int2", 16, 64, 4)
+    for res in out:
+        assert res["committed"] == 4
+        for ga, gb in zip(res["globals"], out[0]["globals"]):
+            assert all(torch.equal(x, y) for x, y in zip(ga, gb))
+        recs = [r for r in res["records"] if r[1].startswith("diloco:frag")]
+        assert [r[0] for r in recs] == ["all_gather"] * 4
+        assert [r[3] for r in recs] == [codec.message_nbytes(res["numels"][i % 2]) for i in range(4)]
+    assert all(r is not None for r in out[0]["residuals"])
+    assert not all(torch.equal(a, b) for a, b in zip(out[0]["residuals"], out[1]["residuals"]))
 
 
 def test_trainer_sharded_inner_equals_ddp_inner(shard: str) -> None:
@@ -377,7 +479,10 @@ def test_trainer_one_replica_alpha1_equals_single(shard: str) -> None:
     ("delay", -1, r"diloco.delay must be in"),
     ("fragments", 0, r"diloco.fragments must be >= 1; got 0"),
     ("alpha", 1.5, r"diloco.alpha must be in \[0, 1\]"),
-    ("wire", "fp4", "diloco.wire must be one of fp32, bf16, fp8, int8"),
+    ("wire", "fp4", "diloco.wire must be one of fp32, bf16, fp8, int8, int4, int2, topk, topk-int4, topk-int2"),
+    ("topk_chunk", 100, r"diloco.topk_chunk must be a power of two in \[2, 65536\]; got 100"),
+    ("topk_k", 0, r"diloco.topk_k must be in \[1, diloco.topk_chunk = 256\]; got 0"),
+    ("error_feedback", "yes", "diloco.error_feedback must be one of auto, on, off; got 'yes'"),
     ("num_replicas", 3, "diloco.num_replicas must be 0"),
 ])
 def test_trainer_config_errors(shard: str, key: str, value: object, match: str) -> None:

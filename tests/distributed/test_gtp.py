@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowband.comm import default_ledger, ring_wire_bytes
+from lowband.parallel.clip import clip_grad_norm_
 from lowband.parallel.gtp import (
     GTPOptions,
     GTPRuntime,
@@ -450,11 +451,11 @@ def _strategy_vs_reference(gtp_size: int, gather: str, accum: int) -> dict:
     cfg = Config()
     cfg.run.world_size, cfg.run.dtype = n, "float64"
     cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, cfg.model.seq_len = 2, 32, 2, 8
-    cfg.model.vocab_size = 37  # lm_head rows pad to a multiple of gtp
+    cfg.model.vocab_size = 259  # >= the byte tokenizer's 258 ids; lm_head rows pad to a multiple of gtp
     cfg.data.batch_size, cfg.data.grad_accum = 2 * accum, accum
     cfg.optim.weight_decay, cfg.optim.grad_clip = 0.1, 0.05  # small clip: clipping is active
     cfg.strategy.name = "gtp"
-    cfg.strategy.gtp_size, cfg.strategy.gtp_gather, cfg.strategy.gtp_fp8_block = gtp_size, gather, 8
+    cfg.gtp.size, cfg.gtp.gather, cfg.gtp.fp8_block = gtp_size, gather, 8
     validate(cfg, n)
     strat = get_strategy_class("gtp")(cfg, env)
     strat.setup(build_model(cfg, env.device))
@@ -525,14 +526,14 @@ def test_gtp_strategy_config_errors():
 
     cfg = Config()
     cfg.strategy.name = "gtp"
-    cfg.strategy.gtp_size = 3
-    with pytest.raises(ConfigError, match=r"strategy.gtp_size must be 0 \(whole world\) or a divisor"):
+    cfg.gtp.size = 3
+    with pytest.raises(ConfigError, match=r"gtp.size must be 0 \(whole world\) or a divisor"):
         validate(cfg, 4)
-    cfg.strategy.gtp_size, cfg.strategy.gtp_gather, cfg.strategy.gtp_fp8_block = 2, "fp8", 48
-    with pytest.raises(ConfigError, match=r"divisible by strategy\.gtp_fp8_block"):
+    cfg.gtp.size, cfg.gtp.gather, cfg.gtp.fp8_block = 2, "fp8", 48
+    with pytest.raises(ConfigError, match=r"divisible by gtp\.fp8_block"):
         validate(cfg, 4)
-    cfg.strategy.gtp_gather = "int4"
-    with pytest.raises(ConfigError, match=r"strategy\.gtp_gather must be one of"):
+    cfg.gtp.gather = "int4"
+    with pytest.raises(ConfigError, match=r"gtp\.gather must be one of"):
         validate(cfg, 4)
 
 
@@ -602,14 +603,21 @@ def _tp_gtp(_: int) -> float:
         torch.testing.assert_close(out, ref(X[sl]), rtol=0, atol=1e-12)
         F.mse_loss(out, Y[sl]).backward()
         sync_replicated_grads(rt, model)
+        F.mse_loss(ref(X), Y).backward()
+        # global-norm clipping over GTP x TP (weights: squares summed over both groups; the column
+        # bias over TP; the row bias once) equals torch's on the dense model: the same squares summed in
+        # another grouping, relative k eps64 with k <= 70 elements, well inside 1e-12
+        norm = clip_grad_norm_(model, 0.05)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        assert ref_norm > 0.05 and abs(float(norm) - float(ref_norm)) <= 1e-12 * float(ref_norm)
         opt.step()
         opt.zero_grad()
-        F.mse_loss(ref(X), Y).backward()
         ref_opt.step()
         ref_opt.zero_grad()
         recs = default_ledger().step_records()
         assert sum(r.tag == "tp:col_dx" for r in recs) == 0  # x of the first layer needs no grad
         assert sum(r.tag == "tp:row_y" for r in recs) == 1
+        assert sum(r.tag == "gtp:norm" for r in recs) == 1 and sum(r.tag == "tp:norm" for r in recs) == 1
         default_ledger().mark_step()
     diff = max((rt.full_weight(col) - ref[0].weight.chunk(2, 0)[t]).abs().max().item(),
                (rt.full_weight(row) - ref[2].weight.chunk(2, 1)[t]).abs().max().item(),

@@ -123,7 +123,7 @@ def train_and_compare(cfg: dict) -> dict:
     ref = TinyModel()
     ref_opts = make_reference(ref, cfg)
     ref_scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda) for o in ref_opts]
-    construction_records = len(ledger.records)
+    construction_records = [(r.op, r.tag, r.numel, r.wire_bytes) for r in ledger.records]
     ledger.mark_step()
     out: dict = {"steps": [], "norms": [], "ref_norms": [], "rs_before_step": []}
     micro = cfg.get("micro", 1)
@@ -189,6 +189,8 @@ def train_and_compare(cfg: dict) -> dict:
         rp = ref_params[id(params[i])]
         rst = next(o.state[rp] for o in ref_opts if rp in o.state)
         for k, v in st.items():
+            if k == "master":  # fp32 master of a bf16 gather: no torch counterpart (checked elsewhere)
+                continue
             if k == "step":
                 assert float(v) == float(rst["step"]), (k, v, rst["step"])
             else:
@@ -215,7 +217,17 @@ def check_ledger(results: list[dict], dtype: str, wire: str | None, clip: bool,
         n = res["world"]
         units = res["units"]
         w = wire or dtype
-        assert res["construction_records"] == 1  # the one agree() all_gather_object
+        # the one agree() all_gather_object, then init_sync: one broadcast per unit (its flat parameter
+        # buffer) and one coalesced broadcast of the frozen layer (weight 6x6 + bias 6), nothing else
+        recs = res["construction_records"]
+        assert recs[0][:2] == ("all_gather_object", "validate")
+        if n == 1:
+            assert len(recs) == 1
+        else:
+            es = esize(dtype)
+            expect = [("broadcast", "init_sync", numel, (n - 1) * numel * es // n) for _k, numel, *_ in units]
+            expect.append(("broadcast", "init_sync", DIM * DIM + DIM, (n - 1) * (DIM * DIM + DIM) * es // n))
+            assert recs[1:] == expect, recs
         for st in res["steps"]:
             assert len(st["rs"]) == len(units) and len(st["ag"]) == len(units)
             assert st["other"] == []
@@ -311,12 +323,29 @@ def _bf16_wire_grad_error() -> float:
     return worst
 
 
+FP32_U = 2.0**-24  # unit roundoff of float32
+
+
+def fp32_param_bound(steps: int, terms: int) -> float:
+    """Bound on the max-relative parameter difference between two fp32 runs that sum the same
+    gradient terms in different orders (sharded vs single process). A sum of ``terms`` fp32 numbers
+    in any order is within ``(terms - 1) * u * sum|x_i|`` of the exact sum; AdamW's update is
+    scale-invariant in the gradient (m / sqrt(v)), so a relative gradient error moves each update by at
+    most that relative amount of ``lr`` (<= |p|max here: TinyModel's parameters, biases included,
+    start at O(0.1..1)), and the errors of ``steps`` steps add up. This assumes sums that are not
+    dominated by cancellation (condition sum|x| / |sum x| of order 1, true on average for these random
+    batches); measured here (avx512, avx2, default): 1.6e-7..1.6e-6 against 1.2e-5..1.3e-5."""
+    return steps * terms * FP32_U
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_adamw_fp32_and_bf16_wire(world: int) -> None:
     cfg = dict(algo="adamw", dtype="float32", bucket_mb=200 / 2**20, micro=3, clip=0.05, steps=5)
     res = run_ranks(train_and_compare, world, cfg)
+    # terms per gradient element: BATCH * SEQ token contributions, the microbatch sum and the rank average
+    bound = fp32_param_bound(cfg["steps"], BATCH * SEQ + cfg["micro"] + world)
     for r in res:
-        assert r["param_err"] < 1e-6, r["param_err"]
+        assert r["param_err"] < bound, (r["param_err"], bound)
     check_ledger(res, "float32", None, clip=True)
     cfg_bf16 = dict(cfg, wire="bfloat16")
     res16 = run_ranks(train_and_compare, world, cfg_bf16)
@@ -381,10 +410,10 @@ def _resume(full_state: dict | None, params: list | None, steps: tuple[int, int]
         loss_fn(model, idx[rank * rows:(rank + 1) * rows], tgt[rank * rows:(rank + 1) * rows]).backward()
         opt.step()
         opt.zero_grad()
-    local = opt.state_dict()
+    local = opt.shard_state_dict()
     # local round trip: a fresh optimizer loading this rank's shard reproduces it
     opt2 = ShardedAdamW(adamw_groups(TinyModel()), betas=(0.9, 0.95), bucket_mb=200 / 2**20)
-    opt2.load_state_dict(local)
+    opt2.load_shard_state_dict(local)
     same = all(torch.equal(opt2.state[u][k], opt.state[u][k]) for u in opt.state for k in ("exp_avg", "exp_avg_sq"))
     return {"params": [p.detach().clone() for p in model.parameters()], "full": opt.full_state_dict(),
             "local_roundtrip": same and all(opt2.state[u]["step"] == opt.state[u]["step"] for u in opt.state)}
@@ -585,3 +614,33 @@ def test_trainer_sharded_adamw_equals_single(world: int, tmp_path_factory: pytes
     assert all(np.isfinite(m["losses"]).all() for m in muon)
     for k in muon[0]["params"]:
         assert torch.equal(muon[0]["params"][k], muon[1]["params"][k])
+
+
+# ------------------------------------------------------------------ init_sync: parameters and buffers
+def _init_sync_buffers() -> dict:
+    """Per-rank weights, a frozen parameter and buffers (BatchNorm running stats, an int64 counter)."""
+    rank = dist.get_rank()
+    torch.manual_seed(10 + rank)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 3))
+    model[2].bias.requires_grad_(False)
+    with torch.no_grad():
+        model[1].running_mean.add_(rank)
+        model[1].num_batches_tracked.fill_(7 + rank)
+    ledger = CommLedger()
+    opt = ShardedAdamW(model.parameters(), comm=Comm(ledger=ledger), module=model)
+    recs = [(r.op, r.numel, str(r.wire_dtype)) for r in ledger.select(tag="init_sync")]
+    flat = torch.cat([t.detach().double().reshape(-1) for t in [*model.parameters(), *model.buffers()]])
+    everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, flat)
+    return {"equal": all(torch.equal(e, everyone[0]) for e in everyone), "recs": recs,
+            "units": [u.numel for u in opt.units], "counter": int(model[1].num_batches_tracked)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_init_sync_broadcasts_parameters_and_buffers(world: int) -> None:
+    for r in run_ranks(_init_sync_buffers, world):
+        assert r["equal"] and r["counter"] == 7  # rank 0's values everywhere
+        # one broadcast per unit, then one coalesced broadcast per dtype of the rest: the frozen bias
+        # (3) + running_mean/var (6 + 6) in float32, num_batches_tracked (1) in int64
+        assert r["recs"] == [("broadcast", n, "float32") for n in r["units"]] + [
+            ("broadcast", 3 + 6 + 6, "float32"), ("broadcast", 1, "int64")]

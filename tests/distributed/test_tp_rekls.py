@@ -290,7 +290,7 @@ def _tp_strategy_matches_dense(tp_size: int, optimizer: str = "rekls") -> list[t
     cfg.run.world_size, cfg.run.dtype = env.world_size, "float64"
     cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, cfg.model.seq_len = 1, 16, 4, 8
     cfg.model.vocab_size = 64
-    cfg.strategy.name, cfg.strategy.tp_size, cfg.strategy.tp_optimizer = "tp", tp_size, optimizer
+    cfg.strategy.name, cfg.tp.size, cfg.tp.optimizer = "tp", tp_size, optimizer
     # eps=1e-3: non-square matrices have rank-deficient factors at step 1; their eps-clamped null
     # space is inverted by the next KL update (x 1/eps), which makes REKLS itself extremely sensitive to
     # rounding at eps=1e-8 (the TP model's gradients differ from the dense ones by rounding, and the

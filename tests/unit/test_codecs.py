@@ -6,7 +6,18 @@ import pytest
 import torch
 
 from lowband.comm import Comm, CommLedger
-from lowband.comm.codecs import CODECS, codec_all_reduce, get_codec, reference_all_reduce
+from lowband.comm.codecs import (
+    CODECS,
+    codec_all_reduce,
+    get_codec,
+    get_wire,
+    reference_all_reduce,
+    reference_wire_all_reduce,
+    sender_roundtrip,
+    wire_all_reduce,
+    wire_bytes_per_rank,
+)
+from lowband.comm.compress import MESSAGE_CODECS, pack_bits, unpack_bits
 
 
 def _samples(dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -81,3 +92,128 @@ def test_single_rank_all_reduce_matches_reference(name: str) -> None:
     codec_all_reduce(comm, y, codec, op="avg", tag="t")
     assert torch.equal(y, ref)
     assert ledger.count(tag="t") == 2 and ledger.wire_bytes() == 0
+
+
+# ------------------------------------------------------------------ message codecs (below 8 bits, top-k)
+def _flat_samples() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    n = 1000  # not a multiple of any block / chunk: padding is exercised
+    return {"random": torch.randn(n, generator=g),
+            "heavy_tailed": torch.randn(n, generator=g) ** 5 * 1e3,  # |x| spans ~12 decades, big outliers
+            "tiny": torch.randn(n, generator=g) * 1e-30,
+            "all_zero": torch.zeros(n),
+            "constant": torch.full((n,), -2.5)}
+
+
+@pytest.mark.parametrize("name", MESSAGE_CODECS)
+@pytest.mark.parametrize("kind", ["random", "heavy_tailed", "tiny", "all_zero", "constant"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_message_codec_round_trip_within_documented_bound(name: str, kind: str, dtype: torch.dtype) -> None:
+    codec = get_wire(name, block_size=16, topk_chunk=64, topk_k=8)
+    x = _flat_samples()[kind].to(dtype)
+    msg = codec.encode(x)
+    assert msg.dtype == torch.uint8 and msg.shape == (codec.message_nbytes(x.numel()),)
+    y = codec.decode(msg, x.numel(), dtype)
+    assert y.dtype == dtype and y.shape == x.shape
+    err = (x.to(torch.float64) - y.to(torch.float64)).abs()
+    bound = codec.error_bound(x)
+    assert bool((err <= bound).all()), f"{name}/{kind}: max excess {(err - bound).max().item()}"
+    if kind == "all_zero":
+        assert torch.equal(y, torch.zeros_like(y))
+    if kind == "constant" and not name.startswith("topk"):
+        assert torch.equal(y, x)  # amax lands exactly on the top level of the grid
+    if name.startswith("topk"):  # exactly k per chunk of 64 kept, the rest exactly 0
+        kept = (y != 0).reshape(-1)
+        assert int(kept.sum()) <= 8 * -(-x.numel() // 64)
+
+
+def test_message_codec_bounds_are_tight_enough_to_mean_something() -> None:
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(2))
+    rel = {}
+    for name in ("int4", "int2"):
+        c = get_wire(name, block_size=32)
+        rel[name] = ((x - c.decode(c.encode(x), x.numel())).norm() / x.norm()).item()
+    assert 0 < rel["int4"] < 0.1 and rel["int4"] < rel["int2"] < 0.5
+    topk = get_wire("topk", topk_chunk=64, topk_k=16)
+    y = topk.decode(topk.encode(x), x.numel())
+    kept = y != 0
+    assert torch.equal(y[kept], x[kept])  # fp32 values travel exactly
+    # every dropped value is at most the smallest kept magnitude of its chunk
+    for c in range(0, 4096, 64):
+        xs, ks = x[c:c + 64].abs(), kept[c:c + 64]
+        assert int(ks.sum()) == 16 and xs[~ks].max() <= xs[ks].min()
+
+
+@pytest.mark.parametrize("name", MESSAGE_CODECS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_input_decodes_non_finite(name: str, bad: float) -> None:
+    codec = get_wire(name, block_size=16, topk_chunk=64, topk_k=2)
+    x = torch.randn(300, generator=torch.Generator().manual_seed(3))
+    x[123] = bad
+    y = codec.decode(codec.encode(x), 300)
+    assert not bool(torch.isfinite(y).all())
+
+
+@pytest.mark.parametrize("name", ["fp8", "int8"])
+def test_two_phase_codecs_keep_non_finite_visible(name: str) -> None:
+    codec = get_codec(name, block_size=16)
+    x = torch.randn(2, 64)
+    x[1, 5] = float("nan")
+    y = codec.decode(codec.encode(x), 64)
+    assert bool(torch.isfinite(y[0]).all()) and not bool(torch.isfinite(y[1, :16]).all())
+
+
+def test_message_sizes_match_the_byte_formulas() -> None:
+    m = 10_000
+    b, c, k = 64, 256, 8
+    nb, nc = -(-m // b), -(-m // c)
+    assert get_wire("int4", b).message_nbytes(m) == nb * b // 2 + 4 * nb
+    assert get_wire("int2", b).message_nbytes(m) == nb * b // 4 + 4 * nb
+    nv = nc * k
+    assert get_wire("topk", b, c, k).message_nbytes(m) == nv * 8 // 8 + 4 * nv  # log2(256) = 8-bit offsets
+    nvb = -(-nv // b)
+    assert get_wire("topk-int2", b, c, k).message_nbytes(m) == nv + nvb * b // 4 + 4 * nvb
+    assert get_wire("topk-int4", b, 4096, k).message_nbytes(m) == \
+        -(-(-(-m // 4096) * k * 12) // 8) + get_wire("int4", b).message_nbytes(-(-m // 4096) * k)  # 12-bit
+    assert wire_bytes_per_rank(get_wire("int2", b), m, 4) == 3 * get_wire("int2", b).message_nbytes(m)
+    assert wire_bytes_per_rank(get_codec("int8", b), m, 4) == 2 * 3 * get_codec("int8", b).encoded_nbytes(2560)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 7, 8, 12, 16])
+def test_pack_bits_round_trip(bits: int) -> None:
+    codes = torch.randint(0, 2**bits, (1001,), generator=torch.Generator().manual_seed(bits))
+    buf = pack_bits(codes, bits)
+    assert buf.dtype == torch.uint8 and buf.numel() == -(-1001 * bits // 8)
+    assert torch.equal(unpack_bits(buf, 1001, bits), codes)
+
+
+def test_message_codec_bad_arguments() -> None:
+    with pytest.raises(ValueError, match=r"wire codec 'int3' is not supported; allowed: \['fp64', 'fp32', 'bf16', "
+                                         r"'fp8', 'int8', 'int4', 'int2', 'topk', 'topk-int4', 'topk-int2'\]"):
+        get_wire("int3")
+    with pytest.raises(ValueError, match="topk_chunk must be a power of two in \\[2, 65536\\], got 100"):
+        get_wire("topk", topk_chunk=100)
+    with pytest.raises(ValueError, match="topk_k must be in \\[1, topk_chunk=64\\], got 65"):
+        get_wire("topk-int2", topk_chunk=64, topk_k=65)
+    with pytest.raises(ValueError, match="block_size must be a positive multiple of 4, got 6"):
+        get_wire("int4", block_size=6)
+    with pytest.raises(ValueError, match="1-D float"):
+        get_wire("int2").encode(torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="1-D uint8 message of"):
+        get_wire("int2").decode(torch.zeros(3, dtype=torch.uint8), 100)
+
+
+@pytest.mark.parametrize("name", [*CODECS, *MESSAGE_CODECS])
+def test_single_rank_wire_all_reduce_matches_reference_and_residual(name: str) -> None:
+    ledger = CommLedger()
+    comm = Comm(ledger=ledger)
+    codec = get_wire(name, block_size=16, topk_chunk=32, topk_k=4)
+    dtype = torch.float64 if name == "fp64" else torch.float32
+    x = torch.randn(101, dtype=dtype)
+    ref = reference_wire_all_reduce([x], codec, "avg")
+    y = x.clone()
+    res = torch.empty_like(x)
+    wire_all_reduce(comm, y, codec, op="avg", tag="t", residual_out=res)
+    assert torch.equal(y, ref)
+    assert torch.equal(res, x - sender_roundtrip(codec, x, 1))
+    assert ledger.count(tag="t") == (1 if name in MESSAGE_CODECS else 2) and ledger.wire_bytes() == 0

@@ -3,12 +3,14 @@ and one replica reproducing plain local training."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 
 from lowband.comm import Comm, CommLedger
-from lowband.diloco import ScheduleConfig, StreamingDiLoCo, actions_at, plan, split_fragments
+from lowband.diloco import ScheduleConfig, StaticMembership, StreamingDiLoCo, actions_at, plan, split_fragments
 
 P, S = "prepare", "sync"
 
@@ -203,26 +205,96 @@ def test_membership_validation() -> None:
         replica_mesh(3)
 
 
-def test_state_dict_round_trip_and_in_flight_refusal() -> None:
+@pytest.mark.parametrize(("wire", "stop"), [("fp32", 2), ("fp32", 3), ("int2", 3), ("topk-int4", 5)])
+def test_state_dict_resume_is_bitwise(wire: str, stop: int) -> None:
+    """Stop after ``stop`` steps (odd: fragment in flight), resume a fresh copy from the state dicts
+    (model, inner optimizer, DiLoCo incl. error-feedback residuals): bitwise the uninterrupted run."""
+    kw = dict(sync_every=4, fragments=2, delay=1, wire=wire, block_size=4, topk_chunk=4, topk_k=1)
+
+    def fresh():
+        torch.manual_seed(0)
+        m = Tiny()
+        opt = torch.optim.AdamW(m.parameters(), lr=0.05)
+        return m, opt, StreamingDiLoCo(m, opt, comm=Comm(ledger=CommLedger()), **kw)
+
+    m, opt, dl = fresh()
+    assert dl.error_feedback == (wire != "fp32")
+    _train(m, opt, stop, torch.float32)
+    committed_at_stop, dl_in_flight_at_stop = dl.committed, dl.in_flight
+    assert dl.in_flight == (committed_at_stop % 2 if stop % 2 else None)
+    sd = {"model": {k: v.clone() for k, v in m.state_dict().items()}, "opt": copy.deepcopy(opt.state_dict()),
+          "diloco": dl.state_dict()}
+    if dl.error_feedback:
+        assert {k for k in sd["diloco"] if k.startswith("residual.")} == {f"residual.{n}" for n, _ in
+                                                                          m.named_parameters()}
+        assert any(bool(v.abs().sum() > 0) for k, v in sd["diloco"].items() if k.startswith("residual."))
+    for s in range(stop, 9):
+        x, y = _batch(s, torch.float32)
+        opt.zero_grad()
+        nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+    m2, opt2, dl2 = fresh()
+    m2.load_state_dict(sd["model"])
+    opt2.load_state_dict(sd["opt"])
+    dl2.load_state_dict(sd["diloco"])
+    assert dl2.committed == committed_at_stop and dl2.in_flight == dl_in_flight_at_stop
+    for s in range(stop, 9):
+        x, y = _batch(s, torch.float32)
+        opt2.zero_grad()
+        nn.functional.mse_loss(m2(x), y).backward()
+        opt2.step()
+    assert dl2.committed == dl.committed == 4
+    for a, b in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+    for ga, gb in zip(dl.globals, dl2.globals):
+        assert all(torch.equal(x, y) for x, y in zip(ga, gb))
+    for ra, rb in zip(dl.residuals, dl2.residuals):
+        assert (ra is None and rb is None) or torch.equal(ra, rb)
+    missing = {k: v for k, v in dl.state_dict().items() if not k.startswith("residual.")}
+    if dl.error_feedback:
+        with pytest.raises(ValueError, match=r"key 'residual\.emb\.weight' is missing"):
+            dl2.load_state_dict(missing)
+
+
+def test_rollback_keeps_residual_and_heal_zeroes_it() -> None:
+    """Error feedback under faults: a failed commit keeps the residual (and rolls the fragment back),
+    a heal from a peer (``load_outer_state``) restarts the residuals at zero."""
     torch.manual_seed(0)
     m = Tiny()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    dl = StreamingDiLoCo(m, opt, comm=Comm(ledger=CommLedger()), sync_every=4, fragments=2, delay=1)
-    _train(m, opt, 2, torch.float32)  # one sync (K = 2), then nothing in flight
-    sd = dl.state_dict()
-    assert sd["committed"] == 1 and sd["local_step"] == 0
-    _train(m, opt, 1, torch.float32)  # prepare of fragment 1: in flight
-    with pytest.raises(RuntimeError, match="fragment 1 is in flight"):
-        dl.state_dict()
+    votes = iter([True, False, True, True])
+
+    class Scripted(StaticMembership):
+        def should_commit(self) -> bool:
+            return next(votes)
+
+    comm = Comm(ledger=CommLedger())
+    dl = StreamingDiLoCo(m, opt, comm=comm, sync_every=2, fragments=1, wire="int2", block_size=4,
+                         membership=Scripted(comm))
+    seen: list[tuple[bool, torch.Tensor]] = []
+    dl.add_attempt_callback(lambda d, i, ok: seen.append((ok, d.residuals[0].clone())))
+    _train(m, opt, 4, torch.float32)  # attempt 1 commits, attempt 2 is rolled back
+    (ok1, r1), (ok2, r2) = seen
+    assert ok1 and not ok2 and bool(r1.abs().sum() > 0) and torch.equal(r1, r2)
+    assert all(torch.equal(p, g) for p, g in zip(dl.frags[0].params, dl.globals[0]))  # rolled back
+    assert dl.committed == 1
+    dl.load_outer_state(dl.outer_state())
+    assert torch.equal(dl.residuals[0], torch.zeros_like(dl.residuals[0]))
+
+
+def test_nonfinite_pseudo_gradient_raises_and_applies_nothing() -> None:
+    torch.manual_seed(0)
+    m = Tiny()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    dl = StreamingDiLoCo(m, opt, comm=Comm(ledger=CommLedger()), sync_every=2, fragments=1, wire="int2",
+                         block_size=4)
     _train(m, opt, 1, torch.float32)
-    m2 = Tiny()
-    opt2 = torch.optim.SGD(m2.parameters(), lr=0.1)
-    dl2 = StreamingDiLoCo(m2, opt2, comm=Comm(ledger=CommLedger()), sync_every=4, fragments=2, delay=1)
-    dl2.load_state_dict(dl.state_dict())
-    assert dl2.committed == 2 and dl2.local_step == 0
-    for ga, gb in zip(dl.globals, dl2.globals):
-        assert all(torch.equal(x, y) for x, y in zip(ga, gb))
-    for oa, ob in zip(dl.outer, dl2.outer):
-        sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
-        assert sa.keys() == sb.keys() and all(torch.equal(sa[k]["momentum_buffer"], sb[k]["momentum_buffer"])
-                                              for k in sa)
+    with torch.no_grad():
+        m.head.weight[0, 0] = float("nan")
+    before = [g.clone() for g in dl.globals[0]]
+    res_before = dl.residuals[0].clone()
+    with pytest.raises(FloatingPointError, match=r"fragment 0 .* non-finite values \(this replica's own was NOT"):
+        _train(m, opt, 1, torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(before, dl.globals[0]))
+    assert torch.equal(res_before, dl.residuals[0]) and dl.committed == 0 and dl.in_flight is None
+    assert dl.local_step == 0

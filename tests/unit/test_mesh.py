@@ -69,3 +69,19 @@ def test_build_mesh_single_process():
     assert all(mesh.comm(a).size == 1 and mesh.comm(a).name == a for a in AXES)
     with pytest.raises(ValueError, match="does not divide"):
         build_mesh(gtp=2)
+
+
+def test_replica_mesh_is_a_view_of_the_one_parallel_mesh() -> None:
+    """DiLoCo's ReplicaMesh is built from ParallelMesh (one mesh class): same groups, DiLoCo's names."""
+    from lowband.diloco import ReplicaMesh, replica_mesh
+    from lowband.parallel.mesh import ParallelMesh
+
+    rm = replica_mesh(1)
+    assert isinstance(rm, ReplicaMesh) and isinstance(rm.mesh, ParallelMesh)
+    assert rm.mesh.shape.sizes == (1, 1, 1, 1)
+    assert rm.cross is rm.mesh.replica and rm.dp is rm.mesh.dp
+    assert (rm.replica, rm.dp_rank, rm.num_replicas, rm.dp_size) == (0, 0, 1, 1)
+    assert (rm.cross.name, rm.dp.name) == ("replica", "dp")
+    with pytest.raises(ValueError, match="replica x dp; got gtp=2"):
+        ReplicaMesh.from_parallel_mesh(ParallelMesh(MeshShape(gtp=2), 0, MeshCoords(0, 0, 0, 0), rm.cross, rm.dp,
+                                                    rm.dp, rm.dp))

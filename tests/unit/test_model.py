@@ -184,6 +184,7 @@ def test_gpt_loss_equals_manual_cross_entropy_float64():
     manual = (torch.logsumexp(logits, -1) - logits.gather(-1, tgt[..., None])[..., 0]).mean()
     loss = model(idx, tgt)
     assert loss.dtype == torch.float64
+    # float64: logsumexp over 32 logits, mean of 12: |err| <~ (32 + 12) eps |loss| ~ 1.7e-14 < 1e-14 + 1e-14 |loss|
     torch.testing.assert_close(loss, manual, rtol=1e-14, atol=1e-14)
 
 
@@ -229,6 +230,8 @@ def test_gpt_forward_equals_plain_tensor_reference():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))  # non-trivial norms and bigram table
     idx = torch.randint(0, 40, (2, 6))
+    # float64, the same math with other matmul blockings: ~(layers x width) eps ~ 1e-14 relative; 1e-12 is
+    # independent of the kernel the CPU picks
     torch.testing.assert_close(model(idx), _manual_forward(model, idx), rtol=1e-12, atol=1e-12)
 
 
@@ -266,6 +269,7 @@ def test_gpt_gradcheck_float64():
     model(idx, tgt).backward()
     grads = torch.autograd.grad(loss_fn(*inputs), inputs)
     for n, g in zip(names, grads):
+        # float64 gradients by two differently ordered backward passes: ~1e-14 relative, 100x below the bound
         torch.testing.assert_close(params[n].grad, g, rtol=1e-12, atol=1e-14)
 
 
@@ -273,11 +277,12 @@ def test_rope_hand_example_and_relative_positions():
     cos, sin = rope_cos_sin(3, 4, 100.0, torch.float64)
     # head_dim 4, base 100: inverse frequencies 1 and 1/10; pairs are (x[0], x[2]) and (x[1], x[3])
     angles = torch.tensor([[0.0, 0.0], [1.0, 0.1], [2.0, 0.2]], dtype=torch.float64)
-    torch.testing.assert_close(cos, angles.cos(), rtol=0, atol=1e-15)
+    torch.testing.assert_close(cos, angles.cos(), rtol=0, atol=1e-15)  # cos within 1 ulp (1.1e-16) of |1|
     x = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64).expand(1, 1, 3, 4)
     out = apply_rope(x, cos, sin)[0, 0, 2]
     c0, s0, c1, s1 = math.cos(2.0), math.sin(2.0), math.cos(0.2), math.sin(0.2)
     expect = [1 * c0 + 3 * s0, 2 * c1 + 4 * s1, 3 * c0 - 1 * s0, 4 * c1 - 2 * s1]
+    # two products summed, values <= 5: a few ulps of 5 (~1e-15)
     torch.testing.assert_close(out, torch.tensor(expect, dtype=torch.float64), rtol=0, atol=1e-14)
     # rotation: norms kept; q.k depends only on the position difference
     cos, sin = rope_cos_sin(8, 6, 10000.0, torch.float64)
@@ -313,6 +318,7 @@ def test_attention_heads_follow_qkv_width_column_parallel():
         nn.Module.__init__(local)
         local.head_dim, local.qkv, local.proj = hd, qkv, proj
         total += local(x, cos, sin)
+    # float64: the head sum regrouped (width 16): ~16 eps relative ~ 4e-15, well inside 1e-12
     torch.testing.assert_close(total, full, rtol=1e-12, atol=1e-14)
     bad = nn.Linear(16, 10, bias=False).double()
     attn.qkv = bad

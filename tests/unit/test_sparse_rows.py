@@ -111,3 +111,42 @@ def test_exchange_bad_arguments():
         ex.reduce_scatter(torch.empty(8, 2), torch.zeros(8, 2), plan, op="max")
     with pytest.raises(ValueError, match="sparse table 't': token ids out of range \\[0, 8\\)"):
         ex.plan(np.array([3, 9]))
+
+
+# ------------------------------------------------------------------ tables for any model, from its plan
+def test_comm_does_not_import_model_and_the_hash_is_shared():
+    import subprocess
+    import sys
+
+    code = ("import sys, lowband.comm.sparse, lowband.optim.sparse_rows; "
+            "bad = [m for m in sys.modules if m.startswith('lowband.model')]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    import lowband.comm.bigram_hash as neutral
+    import lowband.model as model_pkg
+
+    assert model_pkg.bigram_hash_np is neutral.bigram_hash_np and model_pkg.bigram_hash is neutral.bigram_hash
+
+
+def test_sparse_tables_from_plan_and_by_path():
+    from lowband.model import GPT, GPTConfig
+    from lowband.optim.sparse_rows import sparse_table_for, sparse_tables_from_plan
+    from tests.external.outside_gpt import OutsideConfig, OutsideGPT, outside_plan
+
+    gpt = GPT(GPTConfig(vocab_size=16, seq_len=4, n_layer=1, n_head=2, n_embd=8, bigram_rows=7))
+    tables = sparse_tables_from_plan(gpt)  # the plan GPT ships: tok_emb (ids) and bigram (hash)
+    assert [(t.name, t.hash, t.vocab_size) for t in tables] == [("tok_emb", "none", 16), ("bigram", "bigram", 16)]
+    assert tables[1].param is gpt.bigram.weight
+    with pytest.raises(ValueError, match=r"sparse.tables: the model plan has no sparse table 'x'; it has "
+                                         r"\['tok_emb', 'bigram'\]"):
+        sparse_tables_from_plan(gpt, ["x"], where="sparse.tables")
+    untied = OutsideGPT(OutsideConfig(tie=False))
+    (t,) = sparse_tables_from_plan(untied, ["wte"], plan=outside_plan(untied))
+    assert t.param is untied.transformer.wte.weight and t.vocab_size == 96
+    assert sparse_table_for(untied, "transformer.wpe.weight").name == "transformer.wpe.weight"
+    with pytest.raises(ValueError, match=r"has no parameter 'nope\.weight'"):
+        sparse_table_for(untied, "nope.weight")
+    tied = OutsideGPT(OutsideConfig(tie=True))
+    for call in (lambda: sparse_tables_from_plan(tied, plan=outside_plan(tied)),
+                 lambda: sparse_table_for(tied, "lm_head.weight")):
+        with pytest.raises(ValueError, match=r"is tied to \[.*\]: the other use's gradient touches rows"):
+            call()

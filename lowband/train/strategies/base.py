@@ -1,12 +1,18 @@
 """The strategy interface: how a model is distributed and optimized.
 
-A strategy receives the freshly built (identical on every rank) model and returns, via ``setup``,
-the module to call in forward (``self.model``) and a ``torch.optim.Optimizer`` (``self.optimizer``)
-whose ``param_groups`` the trainer's LR schedule scales. The trainer loop is::
+A strategy receives the freshly built model and returns, via ``setup``, the module to call in forward
+(``self.model``) and a ``torch.optim.Optimizer`` (``self.optimizer``) whose ``param_groups`` the
+trainer's LR schedule scales. Ranks may have built different initial weights (a factory that seeds
+``seed + rank``); ``setup`` makes them agree (DDP's broadcast, the components' ``init_sync``).
+
+Before ``setup`` the trainer sets ``self.plan`` (the model's :class:`~lowband.plan.ModelPlan`: what to
+split, which tables are sparse, the fragments; strategies read model structure from it, never from
+attribute names) and ``self.forward`` (the loss convention, :mod:`lowband.train.forward`). The trainer
+loop is::
 
     for micro in range(accum):
         with strategy.microbatch(last=micro == accum - 1):
-            (strategy.model(x, y) / accum).backward()
+            (lm_loss(strategy.model, x, y, strategy.forward) / accum).backward()
     grad_norm = strategy.clip_grad_norm(max_norm)
     strategy.optimizer_step()
 """
@@ -20,6 +26,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from lowband.plan import ModelPlan, plan_for
+from lowband.train.forward import lm_loss
+
 if TYPE_CHECKING:
     from lowband.train.config import Config
     from lowband.train.env import DistEnv
@@ -31,12 +40,24 @@ class Strategy:
     name: ClassVar[str] = "base"
     min_world_size: ClassVar[int] = 1
     max_world_size: ClassVar[int | None] = None
+    needs_parallel_linears: ClassVar[bool] = False
+    """True for strategies that split the plan's ``parallel_linears`` (tp, gtp): the trainer refuses a
+    model whose plan lists none, naming the strategy and the model class."""
 
     def __init__(self, cfg: Config, env: DistEnv) -> None:
         self.cfg = cfg
         self.env = env
         self.model: nn.Module
         self.optimizer: torch.optim.Optimizer
+        self.plan: ModelPlan | None = None
+        """The model's plan (set by the trainer before :meth:`setup`); read it through :meth:`model_plan`."""
+        self.forward: str = "targets"
+        """The model's resolved loss convention, ``targets`` or ``logits`` (set by the trainer)."""
+
+    def model_plan(self, model: nn.Module) -> ModelPlan:
+        """The plan the trainer gave (:attr:`plan`), else ``lowband.plan.plan_for(model)`` (a strategy set up
+        outside the trainer, e.g. by a benchmark)."""
+        return self.plan if self.plan is not None else plan_for(model)
 
     @classmethod
     def validate_config(cls, cfg: Config, world_size: int) -> None:
@@ -137,7 +158,7 @@ class Strategy:
             return
         seq = self.cfg.model.seq_len
         x = torch.zeros(1, seq, dtype=torch.long, device=self.env.device)
-        self.model(x, x).backward()
+        lm_loss(self.model, x, x, self.forward).backward()
         self.optimizer.zero_grad(set_to_none=True)
         for p in self.model.parameters():
             p.grad = None

@@ -9,7 +9,9 @@ group (same dp rank in every replica), driven by AdamW's step post-hook: one fra
 ``diloco:frag<i>``), outer Nesterov SGD on CPU global copies.
 
 State per rank: the model, AdamW moments (replicated within a replica), plus on CPU one global copy
-of every parameter and the outer momentum (counted in ``optimizer_state_bytes``).
+of every parameter, the outer momentum and, with error feedback (``diloco.error_feedback``, on by
+default for the message codecs int4 / int2 / topk*), one residual per parameter (all counted in
+``optimizer_state_bytes``).
 """
 
 # No `from __future__ import annotations`: DDP inspects the comm hook's annotations at run time.
@@ -22,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lowband.comm.codecs import CODECS
+from lowband.comm.codecs import WIRE_CODECS
 from lowband.diloco import StreamingDiLoCo, replica_mesh
 from lowband.optim import ShardedOptimizer
 from lowband.train.optimizers import adamw_param_groups, torch_adamw
@@ -31,7 +33,8 @@ from lowband.train.strategies.base import Strategy
 from lowband.train.strategies.ddp import wrap_ddp
 from lowband.train.strategies.sharded import _WIRE as _SHARDED_WIRE
 
-WIRES = tuple(c for c in CODECS if c != "fp64")
+WIRES = tuple(c for c in WIRE_CODECS if c != "fp64")
+ERROR_FEEDBACK = {"auto": None, "on": True, "off": False}
 
 
 @register_strategy("diloco")
@@ -60,6 +63,14 @@ class DilocoStrategy(Strategy):
             raise ConfigError(f"diloco.wire must be one of {', '.join(WIRES)}; got {d.wire!r}")
         if d.block_size <= 0 or d.block_size % 4:
             raise ConfigError(f"diloco.block_size must be a positive multiple of 4; got {d.block_size}")
+        c = d.topk_chunk
+        if c < 2 or c > 65536 or c & (c - 1):
+            raise ConfigError(f"diloco.topk_chunk must be a power of two in [2, 65536]; got {c}")
+        if not 1 <= d.topk_k <= c:
+            raise ConfigError(f"diloco.topk_k must be in [1, diloco.topk_chunk = {c}]; got {d.topk_k}")
+        if d.error_feedback not in ERROR_FEEDBACK:
+            raise ConfigError(f"diloco.error_feedback must be one of {', '.join(ERROR_FEEDBACK)}; "
+                              f"got {d.error_feedback!r}")
         if d.outer_lr <= 0 or d.outer_momentum < 0 or d.bucket_mb < 0:
             raise ConfigError("diloco.outer_lr must be > 0, diloco.outer_momentum and diloco.bucket_mb >= 0; "
                               f"got {d.outer_lr}, {d.outer_momentum}, {d.bucket_mb}")
@@ -92,7 +103,9 @@ class DilocoStrategy(Strategy):
         self.diloco = StreamingDiLoCo(model, self.optimizer, comm=self.mesh.cross, sync_every=d.sync_every,
                                       fragments=d.fragments, delay=d.delay, alpha=d.alpha,
                                       outer_optimizer=outer, wire=d.wire, block_size=d.block_size,
-                                      bucket_cap_mb=d.bucket_mb or None)
+                                      topk_chunk=d.topk_chunk, topk_k=d.topk_k,
+                                      error_feedback=ERROR_FEEDBACK[d.error_feedback],
+                                      bucket_cap_mb=d.bucket_mb or None, plan=self.model_plan(model))
 
     @contextlib.contextmanager
     def microbatch(self, last: bool) -> Iterator[None]:
@@ -119,24 +132,26 @@ class DilocoStrategy(Strategy):
                 total += sum(v.numel() * v.element_size() for v in state.values()
                              if isinstance(v, torch.Tensor))
         total += sum(g.numel() * g.element_size() for gs in self.diloco.globals for g in gs)
+        total += sum(r.numel() * r.element_size() for r in self.diloco.residuals if r is not None)
         return total
 
     def log_extras(self) -> dict[str, Any]:
         return {"outer_steps": self.diloco.committed}
 
     # ----------------------------------------------------------------------------------------------
-    # Checkpoint hooks (docs/checkpoints.md); layout: lowband.train.checkpoint_diloco (replica-local model
-    # and inner AdamW as (replicas, ...) DTensors, global copies / outer momentum / counters / in-flight
-    # fragment replicated). The format tag carries the replica count: a checkpoint resumes with as many
+    # Checkpoint hooks (docs/checkpoints.md); layout: lowband.diloco.state.DilocoCheckpoint (replica-local
+    # model and inner AdamW as (replicas, ...) DTensors, global copies / outer momentum / counters /
+    # in-flight fragment replicated, error-feedback residuals per replica). The format tag carries the
+    # replica count: a checkpoint resumes with as many
     # replicas as it was saved with. prepare_resume (DDP bucket rebuild) and skip_step (no inner step, so
     # the DiLoCo hook does not run; an in-flight fragment stays in flight) are the defaults.
 
     def _ckpt_layout(self):
-        from lowband.train.checkpoint_diloco import DilocoStateLayout
+        from lowband.diloco.state import DilocoCheckpoint
 
         if getattr(self, "_ckpt", None) is None:
             m = self.mesh
-            self._ckpt = DilocoStateLayout(self.unwrapped(), self.optimizer, self.diloco, m.num_replicas,
+            self._ckpt = DilocoCheckpoint(self.unwrapped(), self.optimizer, self.diloco, m.num_replicas,
                                            m.dp_size, m.replica)
         return self._ckpt
 

@@ -3,17 +3,18 @@
 
 Communication: per bucket, an async reduce-scatter of the gradients launched from backward hooks
 (``strategy.grad_wire_dtype``), the owner's update of its slice, an async all-gather of the updated
-slice (``strategy.param_wire_dtype``) that the next forward waits for per bucket (forward pre-hooks);
+slice (``sharded.param_wire_dtype``) that the next forward waits for per bucket (forward pre-hooks);
 one scalar all-reduce for the global gradient norm. All of it through ``env.comm`` (counted in the
 ledger).
 State: every rank holds full parameters and local gradients, plus AdamW moments (and, for Muon,
 momentum) of its 1/N slice only.
 Gradient accumulation: non-final microbatches run under ``optimizer.no_sync()``.
 
-``sharded-muon`` gives the 2-D hidden matrices (attention qkv/proj, MLP fc/proj) to Muon at
+``sharded-muon`` gives the 2-D hidden matrices (:func:`lowband.plan.muon_split` with the model's plan:
+2-D parameters that are not embeddings, tied to one, sparse tables or ``plan.adamw_only``) to Muon at
 ``optim.muon_lr`` / ``optim.muon_momentum`` (Nesterov; ``optim.muon_ns_method`` NS5 or Polar Express,
-run in ``optim.muon_ns_dtype``: by default bf16 on GPU and fp32 on CPU) and everything else (token and
-bigram embeddings, ``lm_head``, norms) to AdamW at ``optim.lr``. The LR schedule scales both.
+run in ``optim.muon_ns_dtype``: by default bf16 on GPU and fp32 on CPU) and everything else (embeddings,
+an untied head listed in ``adamw_only``, norms, biases) to AdamW at ``optim.lr``. The LR schedule scales both.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from lowband.optim import ShardedOptimizer, split_params_for_muon
-from lowband.optim.sparse_rows import sparse_tables_for_model
+from lowband.optim import ShardedOptimizer
+from lowband.optim.sharded_state import ShardedStateLayout
+from lowband.optim.sparse_rows import sparse_tables_from_plan
+from lowband.plan import muon_split
 from lowband.train.optimizers import adamw_param_groups
 from lowband.train.strategies import register_strategy
 from lowband.train.strategies.base import Strategy
@@ -43,13 +46,15 @@ class _ShardedBase(Strategy):
 
     def setup(self, model: nn.Module) -> None:
         self.model = model
-        o, s = self.cfg.optim, self.cfg.strategy
+        o, s, sp = self.cfg.optim, self.cfg.strategy, self.cfg.sparse
         self.optimizer = ShardedOptimizer(
             self._groups(model), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
             momentum=o.muon_momentum, comm=self.env.comm, bucket_mb=s.bucket_mb,
-            grad_wire_dtype=_WIRE[s.grad_wire_dtype], param_wire_dtype=_WIRE[getattr(s, "param_wire_dtype", "float32")],
+            grad_wire_dtype=_WIRE[s.grad_wire_dtype], param_wire_dtype=_WIRE[self.cfg.sharded.param_wire_dtype],
             module=model, param_gather="forward",
-            sparse_tables=sparse_tables_for_model(model, list(s.sparse_embeddings)), sparse_mode=s.sparse_mode)
+            sparse_tables=sparse_tables_from_plan(model, list(sp.tables), plan=self.model_plan(model),
+                                                  where="sparse.tables"),
+            sparse_mode=sp.mode)
 
     def observe_batch(self, tokens: torch.Tensor) -> None:
         """Sparse tables: record the step's touched rows and exchange the counts now, before forward."""
@@ -84,23 +89,24 @@ class _ShardedBase(Strategy):
     def persistent_buffer_bytes(self) -> int:
         """Flat gradient buffers and reduced gradient shards (parameters live in the flat parameter
         buffers, so they are already counted as parameters)."""
-        return sum(u.grad_buf.numel() * u.grad_buf.element_size()
-                   + u.grad_shard.numel() * u.grad_shard.element_size() for u in self.optimizer._units)
+        return self.optimizer.buffer_bytes()
 
     def unwrapped(self) -> nn.Module:
         self.optimizer.wait_for_params()
         return self.model
 
-    # Checkpoint hooks (docs/checkpoints.md); layout: lowband.train.checkpoint_sharded. skip_step is the
-    # default: ShardedOptimizer.zero_grad waits for every reduce-scatter in flight and resets the units
-    # (clip_grad_norm already waited for the parameter all-gathers), so no shard is half-updated.
+    def skip_step(self) -> None:
+        """Non-finite guard verdict: :meth:`ShardedOptimizer.discard_step` waits for every reduce-scatter
+        in flight and drops the step (clip_grad_norm already waited for the parameter all-gathers), so
+        no shard is half-updated."""
+        self.optimizer.discard_step()
+
+    # Checkpoint hooks (docs/checkpoints.md); layout: lowband.optim.sharded_state.ShardedStateLayout.
 
     def checkpoint_format(self) -> str | None:
         return f"{self.name}-v1"
 
-    def _ckpt_layout(self):
-        from lowband.train.checkpoint_sharded import ShardedStateLayout
-
+    def _ckpt_layout(self) -> ShardedStateLayout:
         if getattr(self, "_ckpt", None) is None:
             self._ckpt = ShardedStateLayout(self.model, self.optimizer)
         return self._ckpt
@@ -130,7 +136,7 @@ def muon_ns_dtype(name: str, device: torch.device) -> torch.dtype:
 class ShardedMuonStrategy(_ShardedBase):
     def _groups(self, model: nn.Module) -> list[dict]:
         o = self.cfg.optim
-        muon, adam = split_params_for_muon(model)
+        muon, adam = muon_split(model, self.model_plan(model))
         muon = [p for p in muon if p.requires_grad]
         muon_ids = {id(p) for p in muon}
         groups: list[dict] = []

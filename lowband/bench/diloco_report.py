@@ -1,0 +1,73 @@
+"""Merge ``diloco`` bench outputs into one bytes-vs-loss table and Pareto plot.
+
+``python -m lowband.bench.diloco_report A.json B.json ... --out bench_out/diloco-sweep``
+
+A sweep can be split over several ``python -m lowband.bench diloco`` invocations (run side by side);
+each runs its own ``ddp`` reference on the same seed and data. The report checks that every file's
+``ddp`` row has the same final validation loss and total wire bytes (a reproducibility check: refuses
+otherwise), keeps one, recomputes ``wire_ratio_vs_ddp``, ``val_loss_ratio_vs_ddp`` and ``pareto`` over
+all rows, and writes ``<out>.json``, ``<out>.md`` (the table) and ``<out>.png`` (loss vs bytes, log x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from lowband.bench.diloco import mark_pareto, pareto_markdown, pareto_plot
+
+
+def merge(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One result list: the (identical) ddp row first, then every DiLoCo row of every document.
+
+    Raises:
+        ValueError: a document without a ``ddp`` row, or ddp rows that differ between documents.
+    """
+    refs = []
+    rows: list[dict[str, Any]] = []
+    for i, d in enumerate(docs):
+        ddp = [r for r in d["results"] if r["name"] == "ddp"]
+        if not ddp:
+            raise ValueError(f"diloco_report: input {i} has no ddp row")
+        refs.append(ddp[0])
+        rows += [r for r in d["results"] if r["name"] != "ddp"]
+    key = {(r["val_loss_final"], r["wire_bytes_total"]) for r in refs}
+    if len(key) != 1:
+        raise ValueError(f"diloco_report: the ddp reference differs between inputs: {sorted(key)}")
+    results = [refs[0], *rows]
+    ref = results[0]
+    for r in results:
+        r["wire_ratio_vs_ddp"] = r["wire_bytes_total"] / ref["wire_bytes_total"]
+        r["val_loss_ratio_vs_ddp"] = r["val_loss_final"] / ref["val_loss_final"]
+    mark_pareto(results)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lowband.bench.diloco_report")
+    p.add_argument("inputs", nargs="+", help="diloco bench JSON files")
+    p.add_argument("--out", required=True, help="output stem (writes .json, .md, .png)")
+    p.add_argument("--title", default="")
+    a = p.parse_args(argv)
+    docs = [json.loads(Path(f).read_text()) for f in a.inputs]
+    try:
+        results = merge(docs)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    merged = {**docs[0], "results": results, "merged_from": a.inputs}
+    out.with_suffix(".json").write_text(json.dumps(merged, indent=2) + "\n")
+    table = pareto_markdown(results)
+    out.with_suffix(".md").write_text(table)
+    pareto_plot(results, out.with_suffix(".png"), title=a.title)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,296 @@
+"""Contenders of the ``link`` suite: every trainer strategy (and torch's own ZeRO and FSDP2) as a
+trainable thing with a step, an evaluation model and a byte count.
+
+A contender is registered by name in :data:`CONTENDERS` as a :class:`LinkSpec`: either a trainer
+strategy from ``lowband.train.strategies`` with config overrides (which may depend on the topology,
+e.g. DiLoCo's replicas = nodes), or a torch-native builder. Any later strategy becomes a contender
+with one :func:`register_contender` call (or ``--contenders strategy:NAME`` on the command line).
+DiLoCo gets one contender per wire codec that :mod:`lowband.comm.codecs` defines at run time, so
+codecs added there are picked up by name.
+
+Communication of each contender is whatever its strategy does; the strategies route their
+collectives through ``lowband.comm`` (counted in the ledger). ``zero`` and ``fsdp2`` run torch's
+collectives, so they report ring-model bytes computed from the parameter sizes (as the ``dp``
+suite's :mod:`lowband.bench.dp_torch` does).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowband.comm import ring_wire_bytes
+from lowband.train.config import Config
+from lowband.train.env import DistEnv
+from lowband.train.trainer import build_model
+
+
+@dataclass(frozen=True)
+class LinkTopo:
+    """What a contender may adapt to: ranks, nodes (2-level topology) and ranks per node."""
+
+    world: int
+    nodes: int
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world // self.nodes
+
+
+@dataclass
+class Trainee:
+    """One contender, built on one rank.
+
+    Attributes:
+        step: ``step(x, y) -> local loss`` runs one optimizer step on this rank's batch.
+        eval_model: the module to evaluate (full parameters on this rank; waits for in-flight updates).
+        state_bytes: optimizer-state bytes on this rank.
+        resident_bytes: parameters + gradients + optimizer state on this rank.
+        wire_bytes_per_step: for contenders whose collectives bypass ``lowband.comm``: ring-model bytes
+            per training step per rank; ``None`` = read the ledger.
+        once_wire_bytes: bytes per rank moved once, outside the steps (FSDP2's first forward, the
+            evaluation before training, gathers the weights).
+    """
+
+    step: Callable[[torch.Tensor, torch.Tensor], float]
+    eval_model: Callable[[], nn.Module]
+    state_bytes: Callable[[], int]
+    resident_bytes: Callable[[], int]
+    wire_bytes_per_step: int | None = None
+    once_wire_bytes: int = 0
+
+
+Overrides = dict[str, Any]
+"""``{"section.key": value}``; a key may list alternatives ``"sharded.param_wire_dtype|strategy.param_wire_dtype"``
+(the first that exists in the config is set), so a contender survives a config key moving sections."""
+
+
+def set_key(cfg: Config, dotted: str, value: Any) -> None:
+    """Set the first of the ``|``-separated ``section.key`` alternatives that exists in ``cfg``."""
+    for alt in dotted.split("|"):
+        section, key = alt.split(".", 1)
+        obj = getattr(cfg, section, None)
+        if obj is not None and dataclasses.is_dataclass(obj) and key in {f.name for f in dataclasses.fields(obj)}:
+            setattr(obj, key, value)
+            return
+    raise ValueError(f"link contender override {dotted!r}: no such config key")
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """A registered contender.
+
+    Attributes:
+        strategy: trainer strategy name, or ``""`` for a torch-native ``builder``.
+        overrides: :data:`Overrides` applied to the run's config, or a function of the topology
+            returning them.
+        builder: ``(cfg, env) -> Trainee`` for contenders that are not trainer strategies.
+        note: one line for the report (what this contender is).
+    """
+
+    strategy: str = ""
+    overrides: Overrides | Callable[[LinkTopo], Overrides] = field(default_factory=dict)
+    builder: Callable[[Config, DistEnv], Trainee] | None = None
+    note: str = ""
+
+    def config(self, base: Config, topo: LinkTopo) -> Config:
+        cfg = copy.deepcopy(base)
+        if self.strategy:
+            cfg.strategy.name = self.strategy
+        ov = self.overrides(topo) if callable(self.overrides) else self.overrides
+        for dotted, value in ov.items():
+            set_key(cfg, dotted, value)
+        return cfg
+
+    def build(self, base: Config, env: DistEnv, topo: LinkTopo) -> Trainee:
+        cfg = self.config(base, topo)
+        if self.builder is not None:
+            return self.builder(cfg, env)
+        return strategy_trainee(cfg, env)
+
+
+def tensor_bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def strategy_trainee(cfg: Config, env: DistEnv) -> Trainee:
+    """A trainer strategy as a :class:`Trainee`: the trainer's own step (observe_batch, microbatch,
+    clip, optimizer step), one microbatch per step."""
+    from lowband.train.strategies import get_strategy_class
+
+    cls = get_strategy_class(cfg.strategy.name)
+    cls.validate_config(cfg, env.world_size)
+    strategy = cls(cfg, env)
+    strategy.setup(build_model(cfg, env.device))
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        strategy.observe_batch(x)
+        with strategy.microbatch(last=True):
+            loss = strategy.model(x, y)
+            loss.backward()
+        strategy.clip_grad_norm(cfg.optim.grad_clip)
+        strategy.optimizer_step()
+        return float(loss.detach())
+
+    def resident() -> int:
+        params = list(strategy.unwrapped().parameters())
+        extra = getattr(strategy, "persistent_buffer_bytes", lambda: 0)()
+        return tensor_bytes(params) + tensor_bytes(p.grad for p in params) + strategy.optimizer_state_bytes() + extra
+
+    return Trainee(step, strategy.unwrapped, strategy.optimizer_state_bytes, resident)
+
+
+def _torch_step(forward: nn.Module, model: nn.Module, opt: torch.optim.Optimizer,
+                cfg: Config) -> Callable[[torch.Tensor, torch.Tensor], float]:
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = forward(x, y)
+        loss.backward()
+        if cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+    return step
+
+
+def _adamw_kwargs(cfg: Config) -> dict[str, Any]:
+    o = cfg.optim
+    return dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+
+
+def zero_trainee(cfg: Config, env: DistEnv) -> Trainee:
+    """torch ``ZeroRedundancyOptimizer`` (AdamW) over torch DDP: gradient all-reduce ``2(N-1)/N P``
+    plus one broadcast per parameter from its owner ``(N-1)/N P`` per step (ring model)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lowband.train.optimizers import adamw_param_groups
+
+    model = build_model(cfg, env.device)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.strategy.bucket_mb, gradient_as_bucket_view=True,
+                                  broadcast_buffers=False)
+    groups = adamw_param_groups(model, cfg.optim.weight_decay)
+    opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
+                                  weight_decay=groups[0]["weight_decay"], **_adamw_kwargs(cfg))
+    for g in groups[1:]:
+        opt.add_param_group(g)
+    n = env.world_size
+    pbytes = tensor_bytes(model.parameters())
+
+    def state() -> int:
+        return sum(tensor_bytes(st.values()) for st in opt.optim.state.values())
+
+    def resident() -> int:
+        params = list(model.parameters())
+        return tensor_bytes(params) + tensor_bytes(p.grad for p in params) + state()
+
+    wire = ring_wire_bytes("all_reduce", n, pbytes) + ring_wire_bytes("broadcast", n, pbytes)
+    return Trainee(_torch_step(ddp, model, opt, cfg), lambda: model, state, resident, wire)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def fsdp2_trainee(cfg: Config, env: DistEnv) -> Trainee:
+    """torch FSDP2 (``fully_shard`` per block, then the root; ``reshard_after_forward=False``) with
+    AdamW. Per step: one all-gather of the (dim-0 padded) parameters in forward, ``(N-1)/N Ppad``, and
+    one reduce-scatter of the gradients, which gloo carries out as an all-reduce (``2(N-1)/N Ppad``;
+    ``(N-1)/N Ppad`` on NCCL), plus the clipping norm's scalar all-reduce; once, the first forward (the
+    evaluation before training) gathers the parameters. Checked against the interface counters of the
+    ``link`` suite (agreement within TCP/IP overhead on 2 and 4 ranks)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from lowband.train.optimizers import adamw_param_groups
+
+    model = build_model(cfg, env.device)
+    n = env.world_size
+    padded = sum(math.ceil(p.shape[0] / n) * n * (p.numel() // p.shape[0]) * p.element_size()
+                 for p in model.parameters())
+    for block in model.blocks:  # type: ignore[union-attr]
+        fully_shard(block, reshard_after_forward=False)
+    fully_shard(model, reshard_after_forward=False)
+    opt = torch.optim.AdamW(adamw_param_groups(model, cfg.optim.weight_decay), foreach=True, **_adamw_kwargs(cfg))
+
+    def state() -> int:
+        return sum(tensor_bytes(_local(v) for v in st.values()) for st in opt.state.values())
+
+    def resident() -> int:
+        params = list(model.parameters())
+        return (tensor_bytes(_local(p) for p in params)
+                + tensor_bytes(_local(p.grad) for p in params if p.grad is not None) + state())
+
+    gather = ring_wire_bytes("all_gather", n, padded)
+    rs_op = "all_reduce" if env.device.type == "cpu" else "reduce_scatter"  # gloo emulates RS by AR
+    scatter = ring_wire_bytes(rs_op, n, padded)
+    norm = ring_wire_bytes("all_reduce", n, 4) if cfg.optim.grad_clip > 0 else 0
+    return Trainee(_torch_step(model, model, opt, cfg), lambda: model, state, resident, gather + scatter + norm,
+                   once_wire_bytes=gather)
+
+
+def _diloco_overrides(wire: str) -> Callable[[LinkTopo], Overrides]:
+    """One replica per node (per rank when flat); the rest of ``[diloco]`` comes from the run config
+    (error feedback: the config's default, ``auto`` where the config has it)."""
+
+    def ov(topo: LinkTopo) -> Overrides:
+        return {"diloco.wire": wire, "diloco.num_replicas": topo.nodes}
+    return ov
+
+
+def _gtp_overrides(topo: LinkTopo) -> Overrides:
+    """GTP over the whole world when flat; inside each node (DP across nodes) in the 2-level topology."""
+    return {"gtp.size|strategy.gtp_size": 0 if topo.nodes == topo.world else topo.ranks_per_node}
+
+
+CONTENDERS: dict[str, LinkSpec] = {
+    "ddp": LinkSpec("ddp", note="torch DDP + AdamW, gradient all-reduce (the baseline)"),
+    "zero": LinkSpec(builder=zero_trainee, note="torch ZeroRedundancyOptimizer over DDP"),
+    "fsdp2": LinkSpec(builder=fsdp2_trainee, note="torch FSDP2 fully_shard per block"),
+    "sharded-adamw": LinkSpec("sharded-adamw", note="lowband sharded AdamW, fp32 wire"),
+    "sharded-adamw-bf16": LinkSpec("sharded-adamw", {"strategy.grad_wire_dtype": "bfloat16",
+                                                     "sharded.param_wire_dtype|strategy.param_wire_dtype": "bfloat16"},
+                                   note="lowband sharded AdamW, bf16 gradients and parameters on the wire"),
+    "sharded-muon": LinkSpec("sharded-muon", note="lowband sharded Muon (hidden matrices) + AdamW"),
+    "sharded-adamw-sparse": LinkSpec("sharded-adamw", {"sparse.tables|strategy.sparse_embeddings": ["bigram"],
+                                                       "sparse.mode|strategy.sparse_mode": "auto"},
+                                     note="lowband sharded AdamW, bigram-table gradient row-sparse"),
+    "gtp": LinkSpec("gtp", _gtp_overrides, note="generalized tensor parallelism (GTP inside a node)"),
+}
+
+
+def register_contender(name: str, spec: LinkSpec) -> None:
+    """Add (or replace) a contender of the link suite."""
+    CONTENDERS[name] = spec
+
+
+def _register_diloco() -> None:
+    """One contender per DiLoCo wire codec that exists now (``WIRE_CODECS``, else ``CODECS``)."""
+    from lowband.comm import codecs
+
+    for wire in getattr(codecs, "WIRE_CODECS", codecs.CODECS):
+        if wire != "fp64":
+            register_contender(f"diloco-{wire}", LinkSpec("diloco", _diloco_overrides(wire),
+                                                          note=f"Streaming DiLoCo, {wire} pseudo-gradients"))
+
+
+_register_diloco()
+
+
+def resolve(name: str) -> LinkSpec:
+    """A registered contender, or ``strategy:NAME`` for any trainer strategy with default settings."""
+    if name in CONTENDERS:
+        return CONTENDERS[name]
+    if name.startswith("strategy:"):
+        from lowband.train.strategies import get_strategy_class
+
+        get_strategy_class(name.removeprefix("strategy:"))  # raises ConfigError naming the allowed ones
+        return LinkSpec(name.removeprefix("strategy:"), note="trainer strategy with default settings")
+    raise ValueError(f"link suite: unknown contender {name!r}; allowed: {', '.join(CONTENDERS)} "
+                     "or strategy:<name>")

@@ -1,0 +1,253 @@
+"""Checks that run before the first training collective: device, data, directories, cores, run lock.
+
+Everything here can fail before a rank enters a collective, so it does: a problem raises
+:class:`~lowband.train.config.ConfigError` (or ``ShardError`` / ``LockError``) with one line naming the
+field or file and what to do, and the CLI exits with code 2.
+
+* **device**: ``run.device = cuda`` needs CUDA, and as many GPUs as local ranks.
+* **data**: ``.bin`` shards: every token id below ``model.vocab_size`` (one scan per shard, cached,
+  :func:`lowband.data.shards.shard_max_token`); the training and validation tokens hold at least one
+  global batch of windows (``data.batch_size x world size`` windows of ``model.seq_len + 1`` tokens, the
+  validation loader ``data.batch_size / data.grad_accum`` per rank). The built-in corpus is built
+  (cached) and checked the same way.
+* **directories**: ``run.out_dir`` and, when saving, the checkpoint directory can be created and written
+  (a probe file); a warning when the checkpoint directory's free space is below the size of the last
+  checkpoint there.
+* **cores**: a warning when more CPU ranks run on this machine than it has CPU cores (its affinity).
+* **lock**: the run directory (and a checkpoint directory outside it) is locked (``lowband.train.lock``).
+
+:func:`local_checks` runs them in one process (the self-launcher, before it starts any rank).
+:func:`collective_checks` is for ranks started by ``torchrun``: rank 0 runs the filesystem and data
+checks and takes the lock, every rank checks its device, and one ``all_gather_object`` on the metrics
+``Comm`` (tag ``preflight``) gives every rank the same verdict, so all raise the same error or none does.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from lowband.data.shards import ShardError
+from lowband.train.config import Config, ConfigError
+from lowband.train.errors import warn
+from lowband.train.lock import LockError, RunLock, acquire_all
+
+if TYPE_CHECKING:
+    from lowband.train.env import DistEnv
+
+BYTE_TOKENIZER_IDS = 258
+
+
+def cpu_cores() -> int:
+    """CPU cores this process may run on (its affinity mask; ``os.cpu_count()`` where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_device(cfg: Config, local_ranks: int) -> None:
+    """``run.device = cuda`` needs CUDA and at least ``local_ranks`` GPUs."""
+    import torch
+
+    if cfg.run.device != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(f"run.device = cuda, but CUDA is not available here (torch {torch.__version__}, "
+                          f"{'a CPU-only build' if torch.version.cuda is None else 'no GPU visible'}); "
+                          "use run.device = cpu or auto")
+    if torch.cuda.device_count() < local_ranks:
+        raise ConfigError(f"run.device = cuda with {local_ranks} ranks on this machine, but only "
+                          f"{torch.cuda.device_count()} GPU(s) are visible; lower run.world_size")
+
+
+def cores_warning(cfg: Config, local_ranks: int) -> str | None:
+    """The warning line when ``local_ranks`` CPU ranks exceed this machine's CPU cores, else ``None``."""
+    if cfg.run.device == "cuda":
+        return None
+    if cfg.run.device == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            return None
+    cores = cpu_cores()
+    if local_ranks <= cores:
+        return None
+    return (f"run.world_size = {local_ranks} CPU ranks on {cores} CPU core{'s' if cores > 1 else ''}: the ranks "
+            f"will share cores and run slowly; use run.world_size <= {cores}")
+
+
+def _windows_check(what: str, n_tokens: int, seq_len: int, per_rank: int, world: int, knob: str) -> None:
+    windows = max(0, (n_tokens - 1) // seq_len)
+    need = per_rank * world
+    if windows < need:
+        raise ConfigError(
+            f"data: {what} has {n_tokens:,} tokens, {windows:,} windows of model.seq_len = {seq_len} (+1 target), "
+            f"fewer than one global batch of {knob} x world size = {per_rank} x {world} = {need}; lower "
+            f"{knob.split(' ')[0]} or model.seq_len, or use more data")
+
+
+def _vocab_check(pattern: str, field: str, vocab: int) -> int:
+    """Total tokens of the shards of ``pattern``; raise if one holds an id >= ``vocab``."""
+    from lowband.data.shards import read_shard, shard_max_token, shard_paths
+
+    total = 0
+    for p in shard_paths(pattern):
+        total += int(read_shard(p).size)
+        top = shard_max_token(p)
+        if top >= vocab:
+            raise ConfigError(f"{field}: shard {str(p)!r} holds token id {top}, but model.vocab_size = {vocab} "
+                              f"(ids must be < vocab_size); set model.vocab_size >= {top + 1} or use shards of "
+                              "a matching tokenizer")
+    return total
+
+
+def check_data(cfg: Config, world: int) -> None:
+    """Vocabulary bounds and corpus length against one global batch (see the module docstring)."""
+    d, m = cfg.data, cfg.model
+    micro = d.batch_size // d.grad_accum
+    if d.source == "bin":
+        n_train = _vocab_check(d.train_bin, "data.train_bin", m.vocab_size)
+        n_val = _vocab_check(d.val_bin, "data.val_bin", m.vocab_size) if d.val_bin else max(n_train // 20, 1)
+        train_what = f"data.train_bin {d.train_bin!r}"
+        val_what = f"data.val_bin {d.val_bin!r}" if d.val_bin else "the validation tail (last 1/20) of data.train_bin"
+    else:
+        from lowband.data import builtin_corpus
+
+        train, val = builtin_corpus()
+        n_train, n_val = int(train.size), int(val.size)
+        train_what, val_what = "the built-in corpus (training split)", "the built-in corpus (validation split)"
+    _windows_check(train_what, n_train, m.seq_len, d.batch_size, world, "data.batch_size")
+    _windows_check(val_what, n_val, m.seq_len, micro, world, "data.batch_size / data.grad_accum")
+
+
+def checkpoint_dir(cfg: Config) -> Path:
+    from lowband.train.checkpoint import default_checkpoint_dir
+
+    return default_checkpoint_dir(cfg)
+
+
+def run_dir(cfg: Config) -> Path:
+    return Path(cfg.run.out_dir) / cfg.run.name
+
+
+def _check_writable(path: Path, field: str) -> None:
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{field}: {str(path)!r} exists and is not a directory; choose a directory path")
+    anc = path
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        raise ConfigError(f"{field}: cannot create {str(path)!r}: {str(anc)!r} is not a directory; choose "
+                          "another path")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path, prefix=".lowband-probe-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{field}: cannot write to {str(path)!r} ({e.strerror or e}); choose a writable "
+                          "directory") from e
+
+
+def free_space_warning(cfg: Config) -> str | None:
+    """A warning when the checkpoint directory has less free space than its last checkpoint's size."""
+    from lowband.train.checkpoint import latest_checkpoint
+
+    if cfg.checkpoint.every <= 0:
+        return None
+    d = checkpoint_dir(cfg)
+    last = latest_checkpoint(d)
+    if last is None:
+        return None
+    size = sum(int(f.get("size", 0)) for f in last.meta.get("files", {}).values())
+    free = shutil.disk_usage(d).free
+    if free >= size:
+        return None
+    return (f"checkpoint directory {str(d)!r} has {free / 1e6:,.1f} MB free, less than its last checkpoint "
+            f"({last.path.name}, {size / 1e6:,.1f} MB): the next save may fail; free some space or set "
+            "checkpoint.dir elsewhere")
+
+
+def check_dirs(cfg: Config) -> list[str]:
+    """Writable run and checkpoint directories; returns warning lines (free space)."""
+    _check_writable(Path(cfg.run.out_dir), "run.out_dir")
+    if cfg.checkpoint.every > 0:
+        _check_writable(checkpoint_dir(cfg), "checkpoint.dir" if cfg.checkpoint.dir else
+                        "checkpoint directory (<run.out_dir>/<run.name>/checkpoint)")
+    w = free_space_warning(cfg)
+    return [w] if w else []
+
+
+def lock_dirs(cfg: Config) -> list[Path]:
+    """The run directory, and the checkpoint directory when saving into one outside it."""
+    rd = run_dir(cfg).resolve()
+    dirs = [rd]
+    if cfg.checkpoint.every > 0:
+        cd = checkpoint_dir(cfg).resolve()
+        if rd != cd and rd not in cd.parents:
+            dirs.append(cd)
+    return dirs
+
+
+def local_checks(cfg: Config, world: int, local_ranks: int) -> None:
+    """Device, data and directory checks in this process; warnings (cores, free space) are printed as
+    they are found, so they come before an error.
+
+    Raises:
+        ConfigError / ShardError: the first problem found.
+    """
+    w = cores_warning(cfg, local_ranks)
+    if w:
+        warn(w)
+    check_device(cfg, local_ranks)
+    check_data(cfg, world)
+    for line in check_dirs(cfg):
+        warn(line)
+
+
+_ERRORS = {"ConfigError": ConfigError, "ShardError": ShardError, "LockError": LockError}
+
+
+def collective_checks(cfg: Config, env: DistEnv, *, take_lock: bool, run_local: bool) -> list[RunLock]:
+    """Collective (``torchrun`` ranks): rank 0 checks and locks, every rank gets the same verdict.
+
+    Args:
+        take_lock: rank 0 locks the run directory (the self-launcher already holds it: ``False``).
+        run_local: rank 0 runs :func:`local_checks` (the self-launcher already did: ``False``).
+
+    Returns:
+        The locks rank 0 took (empty on other ranks); release them when the run ends.
+
+    Raises:
+        ConfigError / ShardError / LockError: on every rank alike, naming the rank that found it when it
+            was not rank 0.
+    """
+    locks: list[RunLock] = []
+    verdict: tuple[str, str] | None = None
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+    try:
+        check_device(cfg, local)
+        if env.rank == 0:
+            if run_local:
+                local_checks(cfg, env.world_size, local)
+            if take_lock:
+                locks = acquire_all(lock_dirs(cfg))
+                for lk in locks:
+                    for line in lk.warnings:
+                        warn(line)
+    except (ConfigError, ShardError, LockError) as e:
+        verdict = (type(e).__name__, str(e))
+    if env.world_size > 1:
+        verdicts = env.metrics_comm.all_gather_object(verdict, tag="preflight")
+    else:
+        verdicts = [verdict]
+    for r, v in enumerate(verdicts):
+        if v is not None:
+            for lk in locks:
+                lk.release()
+            cls = _ERRORS.get(v[0], ConfigError)
+            raise cls(v[1] if r == 0 else f"on rank {r}: {v[1]}")
+    return locks
