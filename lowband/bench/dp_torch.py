@@ -51,7 +51,8 @@ def _adamw_kwargs(cfg: Config) -> dict:
     return dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
 
 
-def zero_contender(cfg: Config, env: DistEnv, batches: Batches) -> Contender:
+def build_zero(cfg: Config, env: DistEnv) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
+    """(DDP wrapper, model, torch ``ZeroRedundancyOptimizer`` over AdamW): the ``zero`` contender of every suite."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
@@ -64,6 +65,28 @@ def zero_contender(cfg: Config, env: DistEnv, batches: Batches) -> Contender:
                                   weight_decay=groups[0]["weight_decay"], **_adamw_kwargs(cfg))
     for g in groups[1:]:
         opt.add_param_group(g)
+    return ddp, model, opt
+
+
+def build_fsdp2(cfg: Config, env: DistEnv) -> tuple[nn.Module, torch.optim.Optimizer, int]:
+    """(model under FSDP2 ``fully_shard`` per block then the root, ``reshard_after_forward=False``; AdamW;
+    bytes of the dim-0 padded parameters): the ``fsdp2`` contender of every suite."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = build_model(cfg, env.device)
+    n = env.world_size
+    padded = sum(math.ceil(p.shape[0] / n) * n * (p.numel() // p.shape[0]) * p.element_size()
+                 for p in model.parameters())
+    blocks: nn.ModuleList = model.blocks  # type: ignore[assignment]
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=False)
+    fully_shard(model, reshard_after_forward=False)
+    opt = torch.optim.AdamW(adamw_param_groups(model, cfg.optim.weight_decay), foreach=True, **_adamw_kwargs(cfg))
+    return model, opt, padded
+
+
+def zero_contender(cfg: Config, env: DistEnv, batches: Batches) -> Contender:
+    ddp, model, opt = build_zero(cfg, env)
     n = env.world_size
     pbytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -87,17 +110,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def fsdp2_contender(cfg: Config, env: DistEnv, batches: Batches) -> Contender:
-    from torch.distributed.fsdp import fully_shard
-
-    model = build_model(cfg, env.device)
+    model, opt, padded = build_fsdp2(cfg, env)
     n = env.world_size
-    padded = sum(math.ceil(p.shape[0] / n) * n * (p.numel() // p.shape[0]) * p.element_size()
-                 for p in model.parameters())
-    blocks: nn.ModuleList = model.blocks  # type: ignore[assignment]
-    for block in blocks:
-        fully_shard(block, reshard_after_forward=False)
-    fully_shard(model, reshard_after_forward=False)
-    opt = torch.optim.AdamW(adamw_param_groups(model, cfg.optim.weight_decay), foreach=True, **_adamw_kwargs(cfg))
 
     step = _train_step(model, model, opt, cfg, batches)
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lowband.bench.dp_torch import build_fsdp2, build_zero
 from lowband.comm import ring_wire_bytes
 from lowband.train.config import Config
 from lowband.train.env import DistEnv
@@ -160,27 +160,10 @@ def _torch_step(forward: nn.Module, model: nn.Module, opt: torch.optim.Optimizer
     return step
 
 
-def _adamw_kwargs(cfg: Config) -> dict[str, Any]:
-    o = cfg.optim
-    return dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-
-
 def zero_trainee(cfg: Config, env: DistEnv) -> Trainee:
     """torch ``ZeroRedundancyOptimizer`` (AdamW) over torch DDP: gradient all-reduce ``2(N-1)/N P``
     plus one broadcast per parameter from its owner ``(N-1)/N P`` per step (ring model)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel
-
-    from lowband.train.optimizers import adamw_param_groups
-
-    model = build_model(cfg, env.device)
-    ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.strategy.bucket_mb, gradient_as_bucket_view=True,
-                                  broadcast_buffers=False)
-    groups = adamw_param_groups(model, cfg.optim.weight_decay)
-    opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
-                                  weight_decay=groups[0]["weight_decay"], **_adamw_kwargs(cfg))
-    for g in groups[1:]:
-        opt.add_param_group(g)
+    ddp, model, opt = build_zero(cfg, env)
     n = env.world_size
     pbytes = tensor_bytes(model.parameters())
 
@@ -206,18 +189,8 @@ def fsdp2_trainee(cfg: Config, env: DistEnv) -> Trainee:
     ``(N-1)/N Ppad`` on NCCL), plus the clipping norm's scalar all-reduce; once, the first forward (the
     evaluation before training) gathers the parameters. Checked against the interface counters of the
     ``link`` suite (agreement within TCP/IP overhead on 2 and 4 ranks)."""
-    from torch.distributed.fsdp import fully_shard
-
-    from lowband.train.optimizers import adamw_param_groups
-
-    model = build_model(cfg, env.device)
+    model, opt, padded = build_fsdp2(cfg, env)
     n = env.world_size
-    padded = sum(math.ceil(p.shape[0] / n) * n * (p.numel() // p.shape[0]) * p.element_size()
-                 for p in model.parameters())
-    for block in model.blocks:  # type: ignore[union-attr]
-        fully_shard(block, reshard_after_forward=False)
-    fully_shard(model, reshard_after_forward=False)
-    opt = torch.optim.AdamW(adamw_param_groups(model, cfg.optim.weight_decay), foreach=True, **_adamw_kwargs(cfg))
 
     def state() -> int:
         return sum(tensor_bytes(_local(v) for v in st.values()) for st in opt.state.values())
