@@ -2,6 +2,11 @@
 
 Spawns N gloo ranks (CPU) — or uses the ranks of an enclosing ``torchrun`` — runs the suite's
 contenders side by side, and writes FILE.json (DESIGN.md's shape) and FILE.md (a Markdown table).
+
+``python -m lowband.bench --help`` lists the suites, one line each (the first line of each suite
+module's docstring); ``python -m lowband.bench SUITE --help`` shows the common options and the suite's
+own options (its ``add_arguments``) with their defaults. Both are one parser per suite: a suite option
+with the name of a common one replaces it for that suite (``link --warmup`` is its LR warm-up).
 """
 
 from __future__ import annotations
@@ -15,39 +20,85 @@ from lowband.bench import SUITES
 from lowband.bench.harness import markdown_table, write_outputs
 from lowband.bench.runner import rank_main
 
+PROG = "python -m lowband.bench"
+
+
+def suite_summary(name: str) -> str:
+    """The first sentence-line of a suite module's docstring, without its ````name`` suite:`` prefix."""
+    doc = (importlib.import_module(SUITES[name]).__doc__ or "").strip()
+    first = doc.split("\n\n", 1)[0].replace("\n", " ")
+    prefix = f"``{name}`` suite:"
+    return first[len(prefix):].strip() if first.startswith(prefix) else first
+
+
+def _add_common(p: argparse._ActionsContainer) -> None:
+    p.add_argument("--world", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
+    p.add_argument("--out", default=None, help="output JSON path (default bench_out/SUITE-wN.json)")
+    p.add_argument("--repeats", type=int, default=10, help="timed samples per contender")
+    p.add_argument("--warmup", type=int, default=2, help="untimed samples per contender first")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole run")
+
+
+def top_parser() -> argparse.ArgumentParser:
+    """``python -m lowband.bench [--help]``: the suite name, and the list of suites in the help."""
+    lines = [f"  {name:<8} {suite_summary(name)}" for name in sorted(SUITES)]
+    p = argparse.ArgumentParser(
+        prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Side-by-side benchmarks: contenders alternate in one invocation, repeated; medians "
+                    "of the slowest rank; JSON + Markdown out.",
+        epilog="suites:\n" + "\n".join(lines) + f"\n\n'{PROG} SUITE --help' shows a suite's options.")
+    p.add_argument("suite", choices=sorted(SUITES), help="which suite to run")
+    return p
+
+
+def suite_parser(suite: str) -> argparse.ArgumentParser:
+    """One parser for ``python -m lowband.bench SUITE``: common options, then the suite's own."""
+    mod = importlib.import_module(SUITES[suite])
+    p = argparse.ArgumentParser(prog=f"{PROG} {suite}", formatter_class=argparse.RawDescriptionHelpFormatter,
+                                conflict_handler="resolve", description=suite_summary(suite))
+    p.add_argument("suite", choices=[suite], help=argparse.SUPPRESS)
+    _add_common(p.add_argument_group("common options"))
+    if hasattr(mod, "add_arguments"):
+        mod.add_arguments(p.add_argument_group(f"{suite} options"))
+    for action in p._actions:  # every option shows its default, documented or not
+        if action.option_strings and action.default not in (None, argparse.SUPPRESS) \
+                and "%(default)" not in (action.help or ""):
+            action.help = f"{action.help} (default: %(default)s)" if action.help else "default: %(default)s"
+    return p
+
+
+def _suite_name(argv: list[str]) -> str | None:
+    """The first argument that names a suite (options may come first), else None."""
+    pre = argparse.ArgumentParser(add_help=False)
+    _add_common(pre)
+    pre.add_argument("suite", nargs="?")
+    known, _ = pre.parse_known_args([a for a in argv if a not in ("-h", "--help")])
+    return known.suite
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m lowband.bench")
-    parser.add_argument("suite", choices=sorted(SUITES))
-    parser.add_argument("--world", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
-    parser.add_argument("--out", default=None, help="output JSON path (default bench_out/SUITE-wN.json)")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--timeout", type=float, default=1800.0)
-    known, rest = parser.parse_known_args(argv)
-    mod = importlib.import_module(SUITES[known.suite])
-    sub = argparse.ArgumentParser(prog=f"python -m lowband.bench {known.suite}")
-    if hasattr(mod, "add_arguments"):
-        mod.add_arguments(sub)
     try:
-        suite_args = sub.parse_args(rest)
+        suite = _suite_name(argv)
+        if suite is None or suite not in SUITES:
+            top_parser().parse_args(argv)  # prints the help (exit 0) or the error (exit 2)
+            return 2
+        opts = vars(suite_parser(suite).parse_args(argv))
     except SystemExit as e:
-        return int(e.code or 2)
-    if known.world < 1 or known.repeats < 1 or known.warmup < 0:
-        print("lowband.bench: error: --world and --repeats must be positive, --warmup >= 0", file=sys.stderr)
+        return 0 if e.code in (0, None) else int(e.code) if isinstance(e.code, int) else 2
+    if opts["world"] < 1 or opts["repeats"] < 1 or opts["warmup"] < 0:
+        print(f"{PROG}: error: --world and --repeats must be positive, --warmup >= 0", file=sys.stderr)
         return 2
-    opts = {**vars(known), **vars(suite_args)}
-    out = known.out or f"bench_out/{known.suite}-w{known.world}.json"
+    out = opts["out"] or f"bench_out/{suite}-w{opts['world']}.json"
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        doc = rank_main(known.suite, opts)
+        doc = rank_main(suite, opts)
     else:
         from lowband.testing import run_ranks, shutdown_pools
 
         try:
-            doc = run_ranks(rank_main, known.world, known.suite, opts, timeout=known.timeout)[0]
+            doc = run_ranks(rank_main, opts["world"], suite, opts, timeout=opts["timeout"])[0]
         finally:
             shutdown_pools()
     if doc is not None:

@@ -6,7 +6,9 @@ of steps; runs go one after the other (not alternated: each is a whole training 
 ``ddp``, then either every ``--sync-every`` x ``--wires`` pair with the shared outer settings, or the
 ``--runs`` list (``;``-separated, each ``key=value,...`` over the ``[diloco]`` keys ``sync_every``,
 ``wire``, ``outer_lr``, ``outer_momentum``, ``fragments``, ``delay``, ``alpha``, ``block_size``,
-``topk_chunk``, ``topk_k``, ``error_feedback``, plus ``name``).
+``topk_chunk``, ``topk_k``, ``error_feedback``, plus ``name``). Defaults: the comparison of
+docs/PERFORMANCE.md's diloco section: H = 4, 8, 16 x fp32, fp8, int8 wires, delay 0, outer SGD lr 1.0
+without momentum (parameter averaging, the settings that section found to reach ddp's loss).
 
 Reported per contender: median step time, wire bytes per inner step per rank and in total over the run
 (all training collectives in the ledger; DiLoCo's one-time initial broadcast and settings check are
@@ -41,12 +43,12 @@ ONE_TIME_TAGS = ("diloco:init", "validate")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="configs/demo.toml", help="trainer config (the demo model)")
     p.add_argument("--steps", type=int, default=300, help="inner (optimizer) steps per run")
-    p.add_argument("--sync-every", default="32", help="H; comma-separated for several DiLoCo runs")
+    p.add_argument("--sync-every", default="4,8,16", help="H; comma-separated for several DiLoCo runs")
     p.add_argument("--fragments", type=int, default=2)
-    p.add_argument("--delay", type=int, default=1)
+    p.add_argument("--delay", type=int, default=0)
     p.add_argument("--alpha", type=float, default=0.0)
-    p.add_argument("--outer-lr", type=float, default=0.7)
-    p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument("--outer-lr", type=float, default=1.0)
+    p.add_argument("--outer-momentum", type=float, default=0.0)
     p.add_argument("--wires", default="fp32,fp8,int8", help="comma-separated DiLoCo wire formats")
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--topk-chunk", type=int, default=256)

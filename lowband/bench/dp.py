@@ -9,7 +9,15 @@ state + persistent comm buffers, since the process RSS cannot be split between c
 final loss.
 
 Contenders register in ``CONTENDERS`` (name -> factory); any trainer strategy is a contender through
-:class:`StrategyContender`.
+:class:`StrategyContender`. With no ``--contenders`` every registered contender runs
+(:data:`DEFAULT_CONTENDERS`, the full comparison of docs/PERFORMANCE.md).
+
+Muon (issue 15): lowband's ``sharded-muon`` against torch's Muon baselines ``ddp-muon`` and
+``fsdp2-muon`` (:mod:`lowband.bench.dp_torch`, :mod:`lowband.bench.torch_muon`): the same optimizer,
+hyper-parameters and Newton-Schulz dtype (``--muon-ns-dtype``). Every run reports, where both rows are
+present, lowband's Muon against torch's and each Muon row against its AdamW counterpart
+(:data:`PAIRED_BASELINES`, in ``ratio_vs``), and ``optimizer_state_ratio_vs`` for the same pairs;
+``optimizer_state_bytes_max_rank`` is the largest over the ranks (Muon ownership is by whole matrices).
 """
 
 from __future__ import annotations
@@ -21,14 +29,16 @@ from typing import Any
 
 import torch
 
-from lowband.bench.harness import add_ratios, result_row, timed_alternating
+from lowband.bench.harness import add_ratios, add_state_ratios, max_over_ranks, result_row, timed_alternating
 from lowband.train.config import Config
 from lowband.train.env import DistEnv
 from lowband.train.trainer import build_model
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--contenders", default="ddp", help="comma-separated; see lowband.bench.dp.CONTENDERS")
+    """The dp suite's own options (``python -m lowband.bench dp --help``)."""
+    p.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS),
+                   help=f"comma-separated subset of {', '.join(CONTENDERS)}")
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=256)
     p.add_argument("--n-head", type=int, default=4)
@@ -38,6 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bigram-rows", type=int, default=0)
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--muon-lr", type=float, default=0.02, help="optim.muon_lr of every Muon contender")
+    p.add_argument("--muon-ns-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="Newton-Schulz dtype of every Muon contender (auto: float32 on CPU, bfloat16 on GPU; "
+                   "torch.optim.Muon is made to follow it, see lowband.bench.torch_muon)")
     p.add_argument("--baseline", default="ddp", help="contender(s) the ratios are computed against")
 
 
@@ -51,6 +65,8 @@ def bench_config(opts: dict[str, Any], world: int) -> Config:
     cfg.data.batch_size = opts["batch_size"]
     cfg.strategy.bucket_mb = opts["bucket_mb"]
     cfg.optim.lr = opts["lr"]
+    cfg.optim.muon_lr = opts.get("muon_lr", cfg.optim.muon_lr)
+    cfg.optim.muon_ns_dtype = opts.get("muon_ns_dtype", cfg.optim.muon_ns_dtype)
     cfg.optim.warmup_steps = 0
     cfg.optim.grad_clip = 1.0
     return cfg
@@ -80,6 +96,8 @@ class Contender:
     resident_bytes: Callable[[], int]
     wire_bytes_per_step: Callable[[], int] | None = None
     """For contenders whose collectives bypass lowband.comm: bytes per step per rank (ring model)."""
+    extra: Callable[[], dict[str, Any]] | None = None
+    """Suite-specific fields added to the contender's result row."""
 
 
 def tensor_bytes(tensors) -> int:
@@ -115,7 +133,7 @@ class StrategyContender:
                 loss.backward()
             strategy.clip_grad_norm(cfg.optim.grad_clip)
             strategy.optimizer_step()
-            return float(loss)
+            return float(loss.detach())
 
         def resident() -> int:
             params = list(strategy.unwrapped().parameters())
@@ -147,10 +165,27 @@ CONTENDERS: dict[str, Callable[[Config, DistEnv, Batches], Contender]] = {
     "sharded-muon": StrategyContender("sharded-muon"),
     "zero": _lazy("lowband.bench.dp_torch", "zero_contender"),
     "fsdp2": _lazy("lowband.bench.dp_torch", "fsdp2_contender"),
+    "ddp-muon": _lazy("lowband.bench.dp_torch", "ddp_muon_contender"),
+    "fsdp2-muon": _lazy("lowband.bench.dp_torch", "fsdp2_muon_contender"),
 }
+
+DEFAULT_CONTENDERS: tuple[str, ...] = tuple(CONTENDERS)
+"""The full comparison of docs/PERFORMANCE.md's dp section: every registered contender."""
+
+PAIRED_BASELINES: dict[str, list[str]] = {
+    "sharded-muon": ["ddp-muon", "fsdp2-muon", "sharded-adamw"],
+    "fsdp2-muon": ["ddp-muon", "fsdp2"],
+    "ddp-muon": ["ddp"],
+}
+"""Ratios every run reports when both rows are present (besides ``--baseline``): lowband's Muon against
+torch's Muon baselines (the same optimizer), and each Muon row against its AdamW counterpart (Muon's
+Newton-Schulz costs real compute, so that ratio measures the optimizer, not the distribution)."""
 
 
 def run(env: DistEnv, opts: dict[str, Any]) -> dict[str, Any]:
+    from lowband.bench.dp_torch import fsdp2_reduce_op
+    from lowband.train.strategies.sharded import muon_ns_dtype
+
     names = [c for c in str(opts["contenders"]).split(",") if c]
     unknown = [c for c in names if c not in CONTENDERS]
     if unknown:
@@ -188,15 +223,23 @@ def run(env: DistEnv, opts: dict[str, Any]) -> dict[str, Any]:
         wb = c.wire_bytes_per_step() if c.wire_bytes_per_step is not None else max(wire[n][-3:], default=0)
         loss_t = torch.tensor(losses.get(n, float("nan")), dtype=torch.float64)
         env.metrics_comm.all_reduce(loss_t, "avg")
-        results.append(result_row(n, times[n], wire_bytes=wb, optimizer_state_bytes=c.optimizer_state_bytes(),
+        extra = c.extra() if c.extra is not None else {}
+        state = c.optimizer_state_bytes()
+        extra["optimizer_state_bytes_max_rank"] = max_over_ranks(state, env.metrics_comm)
+        results.append(result_row(n, times[n], wire_bytes=wb, optimizer_state_bytes=state,
                                   peak_memory_bytes=peak[n] if env.device.type == "cuda" else c.resident_bytes(),
-                                  final_loss=float(loss_t), steps=counters[n]))
+                                  final_loss=float(loss_t), steps=counters[n], **extra))
     bases = [b for b in str(opts["baseline"]).split(",") if b]
-    add_ratios(results, {n: [b for b in bases if b != n] for n in names})
+    add_ratios(results, {n: [b for b in bases if b != n] + [b for b in PAIRED_BASELINES.get(n, [])
+                                                            if b not in bases] for n in names})
+    add_state_ratios(results, {n: [b for b in bases if b != n] + PAIRED_BASELINES.get(n, []) for n in names})
     nparams = sum(p.numel() for p in build_model(cfg, torch.device("cpu")).parameters())
     return {"config": {"model": dataclasses.asdict(cfg.model), "batch_size_per_rank": cfg.data.batch_size,
                        "params": nparams, "contenders": names, "repeats": opts["repeats"],
                        "warmup": opts["warmup"], "threads_per_rank": opts.get("threads"),
+                       "optim": dataclasses.asdict(cfg.optim),
+                       "muon_ns_dtype_resolved": str(muon_ns_dtype(cfg.optim.muon_ns_dtype, env.device)),
+                       "fsdp2_reduce_scatter_counted_as": fsdp2_reduce_op(),
                        "memory_method": "cuda max_memory_allocated" if env.device.type == "cuda"
                        else "resident tensor bytes: params + grads + optimizer state + persistent comm buffers"},
             "results": results}

@@ -1,16 +1,35 @@
-"""Torch's own sharded data-parallel contenders for the ``dp`` suite: ``zero``
-(``ZeroRedundancyOptimizer`` over DDP) and ``fsdp2`` (``fully_shard`` per block then the root,
-``reshard_after_forward=False``).
+"""Torch's own contenders for the ``dp`` suite: ``zero`` (``ZeroRedundancyOptimizer`` over DDP),
+``fsdp2`` (``fully_shard`` per block then the root, ``reshard_after_forward=False``), and the Muon
+baselines ``ddp-muon`` and ``fsdp2-muon``.
 
 Their collectives run inside torch, not through :class:`lowband.comm.Comm`, so each reports its wire
 bytes per step per rank by the ring model from the parameter sizes:
 
 * ``zero``: DDP's gradient all-reduce ``2(N-1)/N * P * 4`` plus ZeRO's post-step parameter
   broadcasts, one per parameter from its owner, ``(N-1)/N * P * 4`` in total;
-* ``fsdp2``: one all-gather of the parameters (forward; kept unsharded through backward) and one
-  reduce-scatter of the gradients, each ``(N-1)/N * Ppad * 4`` where ``Ppad`` pads every
-  parameter's dim 0 to a multiple of N (FSDP2's per-parameter ``Shard(0)``), plus the scalar
-  all-reduce of the clipping norm.
+* ``fsdp2``: one all-gather of the parameters (forward; kept unsharded through backward),
+  ``(N-1)/N * Ppad * 4`` where ``Ppad`` pads every parameter's dim 0 to a multiple of N (FSDP2's
+  per-parameter ``Shard(0)``), and one reduce-scatter of the gradients, counted as the backend runs
+  it: NCCL's native reduce-scatter moves ``(N-1)/N * Ppad * 4``; gloo has no reduce-scatter and
+  torch runs ``reduce_scatter_tensor`` there as an all-reduce of the whole buffer
+  (``2(N-1)/N * Ppad * 4``), as the ``link`` suite counts it; plus the scalar all-reduce of the
+  clipping norm.
+
+Muon baselines (issue 15), with :mod:`lowband.bench.torch_muon` (``torch.optim.Muon`` for the hidden
+matrices, ``torch.optim.AdamW`` for the rest, ``sharded-muon``'s hyper-parameters, Newton-Schulz in
+``optim.muon_ns_dtype`` resolved as ``sharded-muon`` resolves it):
+
+* ``ddp-muon``: lowband's DDP wrapping (:func:`lowband.train.strategies.ddp.wrap_ddp`: torch DDP whose
+  bucket all-reduce goes through ``lowband.comm``, so the ledger counts it); every rank orthogonalizes
+  every matrix. What a user writes today.
+* ``fsdp2-muon``: FSDP2 as ``fsdp2`` with ``torch.optim.Muon`` on its DTensor shards. torch accepts it
+  and the math is right (tested equal to ``ddp-muon``): DTensor runs Newton-Schulz with whole-matrix
+  semantics, so the norm is all-reduced and every matmul of the iteration issues the collectives its
+  sharding propagation picks (all-gathers of row-sharded operands, all-reduces of partial products);
+  the work of each product is split over the ranks. Those collectives are counted by
+  :class:`lowband.bench.torch_muon.CollectiveBytes` on the contender's first step (a warm-up step
+  when ``--warmup`` >= 1; reported as ``muon_step_collectives`` / ``muon_step_wire_bytes``) and
+  added to FSDP2's own.
 """
 
 from __future__ import annotations
@@ -22,6 +41,7 @@ import torch
 from torch import nn
 
 from lowband.bench.dp import Batches, Contender, tensor_bytes
+from lowband.bench.torch_muon import CollectiveBytes, ns_dtype, torch_muon_optimizers
 from lowband.comm import ring_wire_bytes
 from lowband.train.config import Config
 from lowband.train.env import DistEnv
@@ -41,7 +61,7 @@ def _train_step(forward: nn.Module, model: nn.Module, opt: torch.optim.Optimizer
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
     return step
 
@@ -59,7 +79,7 @@ def build_zero(cfg: Config, env: DistEnv) -> tuple[nn.Module, nn.Module, torch.o
     model = build_model(cfg, env.device)
     ddp = DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
                                   bucket_cap_mb=cfg.strategy.bucket_mb, gradient_as_bucket_view=True,
-                                  broadcast_buffers=False)
+                                  forward_sync_buffers=False)
     groups = adamw_param_groups(model, cfg.optim.weight_decay)
     opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
                                   weight_decay=groups[0]["weight_decay"], **_adamw_kwargs(cfg))
@@ -124,7 +144,116 @@ def fsdp2_contender(cfg: Config, env: DistEnv, batches: Batches) -> Contender:
                                                                        if p.grad is not None) + state_bytes())
 
     def wire() -> int:
-        norm = ring_wire_bytes("all_reduce", n, 4) if cfg.optim.grad_clip > 0 else 0
-        return 2 * ring_wire_bytes("all_gather", n, padded) + norm
+        return fsdp2_wire_bytes(cfg, n, padded)
 
     return Contender("fsdp2", step, state_bytes, resident, wire)
+
+
+def fsdp2_reduce_op() -> str:
+    """How FSDP2's gradient reduce-scatter travels: ``all_reduce`` on gloo (torch emulates
+    ``reduce_scatter_tensor`` by an all-reduce), ``reduce_scatter`` on NCCL and other backends."""
+    import torch.distributed as dist
+
+    return "all_reduce" if dist.is_initialized() and dist.get_backend() == "gloo" else "reduce_scatter"
+
+
+def fsdp2_wire_bytes(cfg: Config, n: int, padded: int) -> int:
+    """Ring-model bytes per step per rank of ``fsdp2`` (reshard_after_forward=False): one all-gather
+    of the padded parameters, the gradient reduce-scatter as the backend runs it, the clip norm."""
+    norm = ring_wire_bytes("all_reduce", n, 4) if cfg.optim.grad_clip > 0 else 0
+    return ring_wire_bytes("all_gather", n, padded) + ring_wire_bytes(fsdp2_reduce_op(), n, padded) + norm
+
+
+def _muon_step(m_opt: torch.optim.Optimizer, a_opt: torch.optim.Optimizer, forward: nn.Module,
+               model: nn.Module, cfg: Config, batches: Batches, dtype: torch.dtype,
+               on_first: Callable[[Callable[[], None]], None] | None = None) -> Callable[[int], float]:
+    """Training step of a torch Muon contender: forward/backward, global-norm clip, Muon + AdamW step.
+    ``on_first(run_optimizers)`` runs the first step's optimizer update (to count its collectives)."""
+    first = [True]
+
+    def run_optimizers() -> None:
+        with ns_dtype(dtype):
+            m_opt.step()
+        a_opt.step()
+
+    def step(i: int) -> float:
+        x, y = batches.get(i)
+        loss = forward(x, y)
+        loss.backward()
+        if cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, foreach=True)
+        if first[0] and on_first is not None:
+            on_first(run_optimizers)
+        else:
+            run_optimizers()
+        first[0] = False
+        m_opt.zero_grad(set_to_none=True)
+        a_opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return step
+
+
+def _state_bytes(*opts: torch.optim.Optimizer) -> int:
+    """Local bytes of every state tensor with at least one dimension (DTensor: the local shard)."""
+    return sum(tensor_bytes(_local(v) for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+               for o in opts for st in o.state.values())
+
+
+def ddp_muon_contender(cfg: Config, env: DistEnv, batches: Batches) -> Contender:
+    """``ddp-muon``: DDP + ``torch.optim.Muon`` (hidden matrices) + AdamW (the rest); wire from the ledger."""
+    from lowband.train.strategies.ddp import wrap_ddp
+    from lowband.train.strategies.sharded import muon_ns_dtype
+
+    model = build_model(cfg, env.device)
+    forward = wrap_ddp(model, env.device, env.comm, cfg) if env.world_size > 1 else model
+    m_opt, a_opt = torch_muon_optimizers(model, cfg.optim)
+    step = _muon_step(m_opt, a_opt, forward, model, cfg, batches, muon_ns_dtype(cfg.optim.muon_ns_dtype,
+                                                                                env.device))
+
+    def resident() -> int:
+        params = list(model.parameters())
+        return tensor_bytes(params) + tensor_bytes(p.grad for p in params) + _state_bytes(m_opt, a_opt)
+
+    return Contender("ddp-muon", step, lambda: _state_bytes(m_opt, a_opt), resident, None)
+
+
+def fsdp2_muon_contender(cfg: Config, env: DistEnv, batches: Batches) -> Contender:
+    """``fsdp2-muon``: ``fsdp2``'s sharding with ``torch.optim.Muon`` on the DTensor shards + AdamW."""
+    from torch.distributed.fsdp import fully_shard
+
+    from lowband.train.strategies.sharded import muon_ns_dtype
+
+    model = build_model(cfg, env.device)
+    n = env.world_size
+    padded = sum(math.ceil(p.shape[0] / n) * n * (p.numel() // p.shape[0]) * p.element_size()
+                 for p in model.parameters())
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=False)
+    fully_shard(model, reshard_after_forward=False)
+    m_opt, a_opt = torch_muon_optimizers(model, cfg.optim)
+    counted: dict[str, int] = {}
+
+    def count(run_optimizers: Callable[[], None]) -> None:
+        mode = CollectiveBytes()
+        with mode:
+            run_optimizers()
+        counted["wire"] = mode.wire_bytes
+        counted.update({f"muon_{k}": v for k, v in mode.counts.items()})
+
+    step = _muon_step(m_opt, a_opt, model, model, cfg, batches,
+                      muon_ns_dtype(cfg.optim.muon_ns_dtype, env.device), on_first=count)
+
+    def resident() -> int:
+        params = list(model.parameters())
+        return (tensor_bytes(_local(p) for p in params) + tensor_bytes(_local(p.grad) for p in params
+                                                                       if p.grad is not None)
+                + _state_bytes(m_opt, a_opt))
+
+    def wire() -> int:
+        return fsdp2_wire_bytes(cfg, n, padded) + counted.get("wire", 0)
+
+    c = Contender("fsdp2-muon", step, lambda: _state_bytes(m_opt, a_opt), resident, wire)
+    c.extra = lambda: {"muon_step_collectives": {k[5:]: v for k, v in counted.items() if k.startswith("muon_")},
+                       "muon_step_wire_bytes": counted.get("wire", 0)}
+    return c

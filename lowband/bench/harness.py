@@ -37,6 +37,13 @@ def timed_alternating(fns: dict[str, Callable[[], Any]], repeats: int, warmup: i
     return times
 
 
+def max_over_ranks(value: int, comm: Comm) -> int:
+    """The largest ``value`` over the ranks of ``comm`` (one scalar all-reduce; call on every rank)."""
+    t = torch.tensor(float(value), dtype=torch.float64)
+    comm.all_reduce(t, "max", tag="bench")
+    return int(t)
+
+
 def result_row(name: str, times: list[float], *, wire_bytes: int = 0, optimizer_state_bytes: int = 0,
                peak_memory_bytes: int = 0, final_loss: float | None = None, **extra: Any) -> dict[str, Any]:
     row = {"name": name, "step_time_s_median": statistics.median(times), "step_time_s": times,
@@ -57,6 +64,19 @@ def add_ratios(results: list[dict[str, Any]], baselines: dict[str, list[str]]) -
         for b in bases:
             if b in by_name and by_name[b]["step_time_s_median"] > 0:
                 row["ratio_vs"][b] = row["step_time_s_median"] / by_name[b]["step_time_s_median"]
+
+
+def add_state_ratios(results: list[dict[str, Any]], baselines: dict[str, list[str]]) -> None:
+    """``optimizer_state_ratio_vs[b] = this row's optimizer_state_bytes_per_rank / b's`` for each named b."""
+    by_name = {r["name"]: r for r in results}
+    for name, bases in baselines.items():
+        row = by_name.get(name)
+        if row is None:
+            continue
+        for b in bases:
+            if b in by_name and by_name[b]["optimizer_state_bytes_per_rank"] > 0:
+                row.setdefault("optimizer_state_ratio_vs", {})[b] = (
+                    row["optimizer_state_bytes_per_rank"] / by_name[b]["optimizer_state_bytes_per_rank"])
 
 
 def markdown_table(doc: dict[str, Any]) -> str:

@@ -38,7 +38,8 @@ format is :meth:`StreamingDiLoCo.state_dict` (:mod:`lowband.diloco.state`), DCP-
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,10 +73,16 @@ class _InFlight:
     own_finite: bool = True
 
 
-def _bucket_bounds(numel: int, cap_elems: int | None) -> list[tuple[int, int]]:
-    if cap_elems is None or cap_elems >= numel:
-        return [(0, numel)]
-    return [(s, min(s + cap_elems, numel)) for s in range(0, numel, cap_elems)]
+def _bucket_bounds(numel: int, cap_elems: int | None, breaks: Sequence[int] = ()) -> list[tuple[int, int]]:
+    """Buckets of a flat buffer: cut at every break, then every piece into ``cap_elems`` runs."""
+    cuts = sorted({b for b in breaks if 0 < b < numel})
+    out: list[tuple[int, int]] = []
+    for lo, hi in zip([0, *cuts], [*cuts, numel], strict=True):
+        if cap_elems is None or cap_elems >= hi - lo:
+            out.append((lo, hi))
+        else:
+            out += [(s, min(s + cap_elems, hi)) for s in range(lo, hi, cap_elems)]
+    return out
 
 
 def _checksum(t: torch.Tensor) -> str:
@@ -110,6 +117,10 @@ class StreamingDiLoCo:
             ``None`` (default) = on for the message codecs, off for the others.
         bucket_cap_mb: split a fragment's flat pseudo-gradient into buckets of at most this many MiB
             (of the fp32/fp64 buffer); ``None`` = one bucket per fragment.
+        bucket_breaks: per fragment, element offsets into its flat pseudo-gradient where a bucket must
+            end (before the cap applies). Each bucket is encoded on its own, so a block or top-k codec
+            never mixes the values on either side: parameters identical on every rank of a replica
+            (replicated next to GTP row shards) then get the same averaged values on every rank.
         backup_device: where global copies, outer state and residuals live (default CPU).
         init_sync: how replicas start equal (models seeded per rank, nanoGPT style, start different):
             ``True`` / ``"broadcast"`` (default) broadcast every fragment parameter from replica 0;
@@ -137,7 +148,8 @@ class StreamingDiLoCo:
                  wire: str = "fp32", block_size: int = DEFAULT_BLOCK_SIZE,
                  topk_chunk: int = DEFAULT_TOPK_CHUNK, topk_k: int = DEFAULT_TOPK_K,
                  error_feedback: bool | None = None,
-                 bucket_cap_mb: float | None = None, backup_device: str | torch.device = "cpu",
+                 bucket_cap_mb: float | None = None, bucket_breaks: Sequence[Sequence[int]] | None = None,
+                 backup_device: str | torch.device = "cpu",
                  init_sync: bool | str = True, membership: Any = None, plan: ModelPlan | None = None) -> None:
         # ---- local validation (identical on every rank, before any collective)
         if not isinstance(model, nn.Module):
@@ -190,11 +202,14 @@ class StreamingDiLoCo:
             error_feedback = wire in MESSAGE_CODECS
         self.error_feedback = bool(error_feedback) and not all(is_lossless(self.codec, dt)
                                                                for dt in self.buffer_dtypes)
+        if bucket_breaks is not None and len(bucket_breaks) != n:
+            raise ValueError(f"diloco bucket_breaks: got {len(bucket_breaks)} lists, expected one per fragment ({n})")
+        self.bucket_breaks: list[list[int]] = [sorted(int(b) for b in bs) for bs in bucket_breaks or [[]] * n]
 
         # ---- cross-replica checks and initial sync (collectives, every rank alike)
         schedule = (sync_every, delay) if getattr(self.membership, "uniform_schedule", True) else ()
         signature = (n, *schedule, self.alpha, wire, self.codec.block_size, topk_chunk, topk_k,
-                     self.error_feedback, bucket_cap_mb, str(init_sync),
+                     self.error_feedback, bucket_cap_mb, self.bucket_breaks, str(init_sync),
                      [[tuple(p.shape) for p in f.params] for f in self.frags],
                      [[str(p.dtype) for p in f.params] for f in self.frags])
         self.comm.agree(signature, "diloco settings and fragment shapes")
@@ -237,11 +252,15 @@ class StreamingDiLoCo:
         self.dcp_meshes: dict = {}  # (device type, replicas, dp) -> DeviceMesh of the per-replica state rows
         self._on_sync: list[Callable[[StreamingDiLoCo, int], None]] = []
         self._on_attempt: list[Callable[[StreamingDiLoCo, int, bool], None]] = []
+        self._paused = False
+        self.state_layout: Any = None
+        """Maps a parameter's local tensors to their logical checkpoint form and back (``to_logical(name, t)``,
+        ``to_local(name, t)``, ``weights``: the sharded names), when parameters are shards (GTP inside a
+        replica: :class:`lowband.diloco.shards.GTPShardLayout`); ``None`` = parameters are whole."""
         self.membership.attach(self)
         self._hooks = [inner_optimizer.register_step_post_hook(self._post_step)]
         if hasattr(self.membership, "before_step"):
-            self._hooks.append(inner_optimizer.register_step_pre_hook(
-                lambda *_: self.membership.before_step()))
+            self._hooks.append(inner_optimizer.register_step_pre_hook(lambda *_: self._pre_step()))
 
     # ------------------------------------------------------------------------------ properties
     @property
@@ -270,7 +289,24 @@ class StreamingDiLoCo:
         self._on_attempt.append(fn)
 
     # -------------------------------------------------------------------------------- the hook
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Inner ``step()`` calls inside this context are not DiLoCo steps: the hooks do nothing (no
+        local step counted, no membership call). For state-dict helpers that initialize an optimizer's
+        state with a zero-lr step (torch's ``get_state_dict`` on a fresh optimizer)."""
+        was, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = was
+
+    def _pre_step(self) -> None:
+        if not self._paused:
+            self.membership.before_step()
+
     def _post_step(self, _opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        if self._paused:
+            return
         if hasattr(self.membership, "after_step"):
             self.membership.after_step()
         self.local_step += 1
@@ -302,7 +338,7 @@ class StreamingDiLoCo:
             new_residual = torch.empty_like(flat)
         own_finite = bool(torch.isfinite(flat).all())
         handles = []
-        for s, e in _bucket_bounds(flat.numel(), self.bucket_cap_elems[i]):
+        for s, e in _bucket_bounds(flat.numel(), self.bucket_cap_elems[i], self.bucket_breaks[i]):
             if new_residual is None:  # memberships without error-feedback support keep working
                 handles.append(self.membership.all_reduce(flat[s:e], self.codec, f"diloco:frag{i}"))
             else:
@@ -383,6 +419,13 @@ class StreamingDiLoCo:
                     r.zero_()
         for o, s in zip(self.outer, state["outer"], strict=True):
             o.load_state_dict(s)
+
+    def wait_inflight(self) -> None:
+        """Complete the in-flight fragment's all-reduce now (its handles in order, the same on every
+        rank), without syncing it: the fragment still syncs at its scheduled step. Call on every replica
+        alike before issuing another collective on the replica group outside the schedule (the trainer's
+        model export)."""
+        self._wait_inflight()
 
     # --------------------------------------------------------------------------------- cleanup
     def close(self) -> None:

@@ -87,12 +87,20 @@ def orthogonalize(g: torch.Tensor, *, method: str = "ns5", steps: int = 5,
     tall = g.size(-2) > g.size(-1)
     if tall:
         x = x.mT
+    shape = x.shape
+    x = x.reshape(-1, shape[-2], shape[-1])  # [k, rows, cols]; contiguous (a tall input's copy)
     norm = x.norm(dim=(-2, -1), keepdim=True)
     x = x / (norm + 1e-7) if method == "ns5" else x / (norm * 1.02 + 1e-6)
-    for a, b, c in coeffs:
-        gram = x @ x.mT
-        poly = b * gram + c * (gram @ gram)
-        x = a * x + poly @ x
+    fused = dtype in (torch.float32, torch.float64)  # fused multiply-adds, as torch.optim.Muon: 10-30%
+    for a, b, c in coeffs:                          # faster on CPU; bf16/fp16 keep the separate roundings
+        gram = torch.bmm(x, x.mT)
+        if fused:
+            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.baddbmm(x, poly, x, beta=a)
+        else:
+            poly = b * gram + c * (gram @ gram)
+            x = a * x + poly @ x
+    x = x.reshape(shape)
     if tall:
         x = x.mT
     return x
@@ -116,13 +124,35 @@ def muon_update_(param: torch.Tensor, grad: torch.Tensor, momentum_buf: torch.Te
     if param.dim() < 2:
         raise ValueError("muon_update_: Muon handles 2-D matrices; got a tensor of shape "
                          f"{tuple(param.shape)}")
+    o = muon_direction_(grad, momentum_buf, momentum=momentum, nesterov=nesterov, ns_method=ns_method,
+                        ns_steps=ns_steps, ns_dtype=ns_dtype)
+    muon_apply_(param, o, lr=lr, weight_decay=weight_decay, scale=muon_shape_scale(param.size(-2), param.size(-1)))
+
+
+@torch.no_grad()
+def muon_direction_(grad: torch.Tensor, momentum_buf: torch.Tensor, *, momentum: float, nesterov: bool,
+                    ns_method: str = "ns5", ns_steps: int = 5,
+                    ns_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Steps 1-3 of the update on whole matrices: momentum (in place), Nesterov blend, orthogonalize.
+
+    Returns ``O`` in ``ns_dtype``. Together with :func:`muon_apply_` this is exactly
+    :func:`muon_update_`, split so that a distributor can orthogonalize whole matrices on one rank and
+    apply the (elementwise) step 4 on row shards elsewhere.
+    """
     g = grad.to(momentum_buf.dtype)
     momentum_buf.lerp_(g, 1 - momentum)
     u = g.lerp(momentum_buf, momentum) if nesterov else momentum_buf
-    o = orthogonalize(u, method=ns_method, steps=ns_steps, dtype=ns_dtype)
+    return orthogonalize(u, method=ns_method, steps=ns_steps, dtype=ns_dtype)
+
+
+@torch.no_grad()
+def muon_apply_(param: torch.Tensor, o: torch.Tensor, *, lr: float, weight_decay: float, scale: float) -> None:
+    """Step 4, elementwise on any slice: ``param *= 1 - lr * wd``; ``param -= lr * scale * O``.
+
+    ``scale`` is :func:`muon_shape_scale` of the whole (logical) matrix, not of the slice.
+    """
     if weight_decay != 0:
         param.mul_(1 - lr * weight_decay)
-    scale = muon_shape_scale(param.size(-2), param.size(-1))
     param.add_(o.to(param.dtype), alpha=-lr * scale)
 
 

@@ -1,5 +1,9 @@
 """``python -m lowband.train --config configs/demo.toml [--debug] [--section.key=value ...]``.
 
+``--help`` lists every config section and key (type, default, description, allowed values), the
+strategies and the exit codes; ``--help-strategy NAME`` only the sections one strategy reads
+(:mod:`lowband.train.help`).
+
 Three ways this process runs:
 
 * **launcher**: started without ``torchrun`` and with ``run.world_size > 1``: validates the config, runs
@@ -30,13 +34,39 @@ from lowband.train.config import Config, ConfigError, load_config, validate
 
 
 def _parse(argv: list[str]) -> tuple[str | None, bool, list[str]]:
-    parser = argparse.ArgumentParser(prog="python -m lowband.train", add_help=True,
-                                     description="Train the reference GPT with a lowband strategy.")
-    parser.add_argument("--config", help="TOML config file (configs/*.toml)")
+    """``(config path, debug, overrides)``; ``--help`` / ``--help-strategy NAME`` print the generated help
+    (:mod:`lowband.train.help`) and raise ``SystemExit`` (0, or 2 for an unknown strategy)."""
+    parser = argparse.ArgumentParser(prog="python -m lowband.train", add_help=False,
+                                     formatter_class=lambda prog: argparse.HelpFormatter(prog, width=100),
+                                     usage="%(prog)s [-h] [--help-strategy NAME] [--config FILE] [--debug]\n"
+                                           f"{' ' * 31}[--section.key=value ...]",
+                                     description="Train a GPT (lowband's, or your own via model.factory) with a "
+                                                 "lowband strategy.")
+    parser.add_argument("-h", "--help", action="store_true",
+                        help="show this help: options, override syntax, strategies, exit codes and every "
+                             "config key with its type, default and description")
+    parser.add_argument("--help-strategy", metavar="NAME",
+                        help="show only the config sections strategy NAME reads")
+    parser.add_argument("--config", metavar="FILE", help="TOML config file (configs/*.toml)")
     parser.add_argument("--debug", action="store_true",
                         help="print full tracebacks to stderr (also LOWBAND_DEBUG=1); they are always in "
                              "<run.out_dir>/<run.name>/logs/")
     args, rest = parser.parse_known_args(argv)
+    if args.help or args.help_strategy is not None:
+        from lowband.train import help as help_text
+
+        try:
+            text = (help_text.full_help(parser.format_help()) if args.help
+                    else help_text.strategy_help(args.help_strategy, parser.format_usage()))
+        except ConfigError as e:
+            print(f"{errors.PREFIX}: error: --help-strategy: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(errors.EXIT_INPUT) from None
+        try:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        except BrokenPipeError:  # `--help | head`: the reader left; no traceback
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(0)
     return args.config, args.debug, rest
 
 
@@ -55,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config_path, debug, overrides = _parse(argv)
         debug = errors.debug_enabled(debug)
-    except SystemExit as e:  # argparse: --help (0) or a usage error (2, its own message)
+    except SystemExit as e:  # --help / --help-strategy (0; 2 unknown strategy) or an argparse usage error (2)
         return int(e.code or 0)
     if in_rank:
         return _rank_main(config_path, overrides, debug)

@@ -25,12 +25,14 @@ DCP collective. Then every rank builds the state it expects (the same structure 
 What is saved (one DCP state dict):
     ``strategy``: ``Strategy.state_dict()`` (model and optimizer, sharded state as DTensors; see
     docs/checkpoints.md for what each strategy provides); ``trainer``: pickled step, LR scheduler, data
-    loader position and guard counters (identical on every rank, written once); ``rng_rank<r>``: rank r's
+    loader position, guard counters and ``extra`` (the trainer's per-rank cumulative wire-byte counters,
+    gathered to every rank) (identical on every rank, written once); ``rng_rank<r>``: rank r's
     torch / numpy / python (and CUDA) RNG states. Resuming at a different world size, rank r reads
     ``rng_rank<r mod saved_world>``.
 
 Communication: DCP's own gather/scatter of plans and metadata on the world group (not counted in the
-training ledger), plus barriers and one ``all_gather_object`` on the metrics ``Comm``.
+training ledger), plus barriers and one ``all_gather_object`` on the metrics ``Comm`` (and, per save, the
+trainer's ``extra_state`` gather of its byte counters, also on the metrics ``Comm``).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import random
 import shutil
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -547,12 +549,18 @@ class TrainCheckpointer:
         scheduler: the LR scheduler (its ``state_dict`` is saved; its lambdas come from the config).
         loader: the training ``DistributedLoader`` (its position is saved).
         guard: the non-finite guard (its counters are saved).
+        extra_state: called (collectively, on every rank) at each save; its picklable result, which must be
+            the same on every rank, is saved with the trainer state and restored into :attr:`extra` on
+            resume (the trainer's cumulative byte counters, :mod:`lowband.train.metrics`).
     """
 
     def __init__(self, cfg: Config, env: DistEnv, strategy: Strategy, scheduler: Any, loader: Any,
-                 guard: NonFiniteGuard | None = None) -> None:
+                 guard: NonFiniteGuard | None = None, extra_state: Callable[[], Any] | None = None) -> None:
         self.cfg, self.env, self.strategy = cfg, env, strategy
         self.scheduler, self.loader, self.guard = scheduler, loader, guard
+        self.extra_state = extra_state
+        self.extra: Any = None
+        """What ``extra_state`` returned when the resumed checkpoint was saved (``None``: fresh, or not saved)."""
         c = cfg.checkpoint
         self.every = c.every
         self.directory = default_checkpoint_dir(cfg)
@@ -591,7 +599,8 @@ class TrainCheckpointer:
         """
         assert self.manager is not None
         trainer = {"step": step, "scheduler": self.scheduler.state_dict(), "loader": self.loader.state_dict(),
-                   "guard": self.guard.state_dict() if self.guard is not None else None}
+                   "guard": self.guard.state_dict() if self.guard is not None else None,
+                   "extra": self.extra_state() if self.extra_state is not None else None}
         state = self._state(self.env.rank, pickle.dumps(trainer), pickle.dumps(rng_state()))
         try:
             self.manager.save(step, state, self.expected_meta())
@@ -636,6 +645,7 @@ class TrainCheckpointer:
             raise CheckpointError(f"checkpoint {str(info.path)!r} does not match this run's data: {e}") from e
         if self.guard is not None and trainer.get("guard") is not None:
             self.guard.load_state_dict(trainer["guard"])
+        self.extra = trainer.get("extra")
         set_rng_state(pickle.loads(state[f"rng_rank{self.env.rank % saved_world}"]))
         if int(trainer["step"]) != info.step:
             raise CheckpointError(f"checkpoint {str(info.path)!r} is corrupt: folder step {info.step} but saved "

@@ -24,6 +24,8 @@ class ConfigError(ValueError):
 
 @dataclass(kw_only=True)
 class RunConfig:
+    """The run: its name and directory, length, logging, world size, device and dtype."""
+
     name: str = "run"
     """Run name; the run directory is ``<out_dir>/<name>``."""
     out_dir: str = "runs"
@@ -33,7 +35,8 @@ class RunConfig:
     steps: int = 100
     """Optimizer steps to train."""
     log_every: int = 10
-    """Rank 0 logs one line every this many steps."""
+    """Rank 0 logs one row every this many steps (and at the first and last); its per-step figures are means
+    over the steps since the previous row (metrics.jsonl, docs/cli.md)."""
     val_every: int = 50
     """Validation loss every this many steps (and at the end); 0 = only at the end."""
     val_batches: int = 4
@@ -48,6 +51,13 @@ class RunConfig:
     """torch intra-op threads per rank; 0 = cores / local ranks (at least 1)."""
     timeout_s: float = 300.0
     """Process-group timeout: a dead peer ends the others with an error after this long."""
+    tensorboard: bool = False
+    """Rank 0 also writes TensorBoard scalars (loss, val_loss, lr, grad_norm, tokens/s, wire MB, cumulative
+    bytes) to ``<run_dir>/tensorboard/``; needs ``pip install 'lowband[tb]'``."""
+    export: bool = True
+    """At the end of the run write the final model, unsharded, to ``<run dir>/model.safetensors`` plus
+    ``model.json`` (how to rebuild it): load with ``lowband.load_trained``, sample with ``python -m
+    lowband.sample`` (docs/cli.md); false = no model file."""
 
 
 @dataclass(kw_only=True)
@@ -69,17 +79,29 @@ class ModelConfig:
     seq_len: int = 128
     """Tokens per training sequence (the data loader's window)."""
     n_layer: int = 4
+    """Transformer blocks."""
     n_head: int = 4
+    """Attention heads per block; n_embd / n_head must be even (rotary)."""
     n_embd: int = 128
+    """Width of the residual stream (embedding size)."""
     mlp_ratio: int = 4
+    """MLP hidden width as a multiple of n_embd."""
     bigram_rows: int = 0
     """Rows of the hashed bigram table; 0 = no table."""
 
 
 @dataclass(kw_only=True)
 class DataConfig:
+    """Training data: the built-in corpus, your own text files, or pre-tokenized .bin shards."""
+
     source: str = "builtin"
-    """builtin (Python's own docs, built at run time) | bin (speedrun .bin shards)."""
+    """builtin (Python's own docs, built at run time) | text (your UTF-8 files, data.path) | bin (speedrun .bin
+    shards)."""
+    path: str = ""
+    """A UTF-8 text file or a glob of them (source = text): byte-tokenized into cached .bin shards under
+    ``$LOWBAND_CACHE_DIR`` (default ``~/.cache/lowband``) ``/text-<key>/``, rebuilt when a file changes."""
+    val_fraction: float = 0.05
+    """Share of the text token stream, taken from its end, that is the validation split (source = text)."""
     train_bin: str = ""
     """Glob of training .bin shards (source = bin)."""
     val_bin: str = ""
@@ -92,13 +114,20 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class OptimConfig:
+    """Optimizer hyperparameters and the learning-rate schedule (every strategy reads them)."""
+
     lr: float = 3e-3
     """Peak learning rate of AdamW (and of the AdamW part of combined optimizers)."""
     weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW and Muon) of parameters with >= 2 dims; 1-D ones (norms, biases) get none."""
     beta1: float = 0.9
+    """AdamW first-moment decay, in [0, 1)."""
     beta2: float = 0.95
+    """AdamW second-moment decay, in [0, 1)."""
     eps: float = 1e-8
+    """AdamW denominator epsilon."""
     warmup_steps: int = 10
+    """Steps of linear lr warmup from lr / warmup_steps to the peak; 0 = none."""
     schedule: str = "cosine"
     """cosine | linear | constant (after linear warmup)."""
     min_lr_ratio: float = 0.1
@@ -108,6 +137,7 @@ class OptimConfig:
     muon_lr: float = 0.02
     """Peak lr of Muon (hidden matrices) for strategies that use it."""
     muon_momentum: float = 0.95
+    """Muon's (Nesterov) momentum."""
     muon_ns_method: str = "ns5"
     """Muon orthogonalization: ns5 (quintic Newton-Schulz, 3.4445/-4.7750/2.0315) | polar_express."""
     muon_ns_dtype: str = "auto"
@@ -173,6 +203,12 @@ class GTPConfig:
     """fp8 scaling block edge (block = fp8_block x fp8_block weight elements)."""
     finalize_depth: int = 2
     """Reduce-scatters left in flight before the oldest is finalized."""
+    optimizer: str = "adamw"
+    """adamw (torch AdamW on the row shards) | muon (Muon for the hidden matrices, routed whole to owner
+    ranks of the GTP group with two all-to-alls per step, using optim.muon_*; AdamW for the rest)."""
+    muon_bucket_mb: float = 4.0
+    """gtp.optimizer = muon: whole-matrix MB routed per pair of all-to-alls; at most two such buckets are in
+    flight, so this bounds the optimizer step's extra memory (larger: fewer, bigger collectives)."""
 
 
 @dataclass(kw_only=True)
@@ -217,7 +253,9 @@ class DilocoConfig:
     num_replicas: int = 0
     """Replica groups; 0 = one per rank. world_size / num_replicas ranks per replica train together."""
     inner: str = "ddp"
-    """Data parallelism inside a replica: ddp (torch DDP + AdamW) | sharded-adamw (lowband's sharded AdamW)."""
+    """Strategy inside a replica (over its world_size / num_replicas ranks): ddp (torch DDP + AdamW) |
+    sharded-adamw | sharded-muon (lowband's sharded optimizer; [sharded], [sparse] tables) | gtp (weights
+    row-sharded over gtp.size ranks of the replica, 0 = all of them; [gtp], gtp.optimizer). docs/diloco.md."""
     sync_every: int = 32
     """H: inner steps between two syncs of the same fragment."""
     fragments: int = 2
@@ -227,8 +265,11 @@ class DilocoConfig:
     alpha: float = 0.0
     """Merge weight of the local weights after a sync, in [0, 1] (0 = take the new global weights)."""
     outer_lr: float = 0.7
+    """Learning rate of the outer SGD step on the averaged pseudo-gradient."""
     outer_momentum: float = 0.9
+    """Momentum of the outer SGD step."""
     outer_nesterov: bool = True
+    """Nesterov momentum in the outer step."""
     wire: str = "fp32"
     """Pseudo-gradient wire format: fp32 | bf16 | fp8 | int8 | int4 | int2 | topk | topk-int4 | topk-int2
     (fp8/int8/int4/int2 with per-block fp32 scales; topk* keep topk_k of every topk_chunk values)."""
@@ -277,6 +318,8 @@ class GuardConfig:
 
 @dataclass(kw_only=True)
 class Config:
+    """The whole trainer config: one attribute per TOML section."""
+
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -297,15 +340,16 @@ class Config:
 CHOICES: dict[str, tuple[str, ...]] = {
     "run.device": ("cpu", "cuda", "auto"),
     "run.dtype": ("float32", "float64", "bfloat16"),
-    "data.source": ("builtin", "bin"),
+    "data.source": ("builtin", "text", "bin"),
     "optim.schedule": ("cosine", "linear", "constant"),
     "optim.muon_ns_method": ("ns5", "polar_express"),
     "optim.muon_ns_dtype": ("auto", "bfloat16", "float32", "float64"),
     "strategy.grad_wire_dtype": ("float32", "bfloat16"),
-    "diloco.inner": ("ddp", "sharded-adamw"),
+    "diloco.inner": ("ddp", "sharded-adamw", "sharded-muon", "gtp"),
     "model.forward": ("auto", "targets", "logits"),
     "sharded.param_wire_dtype": ("float32", "bfloat16"),
     "gtp.gather": ("native", "bf16", "fp8"),
+    "gtp.optimizer": ("adamw", "muon"),
     "tp.optimizer": ("rekls", "adamw"),
     "sparse.mode": ("auto", "sparse", "dense"),
     "checkpoint.on_save_error": ("stop", "continue"),
@@ -315,7 +359,7 @@ POSITIVE: tuple[str, ...] = (
     "model.vocab_size", "model.seq_len", "model.n_layer", "model.n_head", "model.n_embd", "model.mlp_ratio",
     "checkpoint.keep_last", "guard.max_consecutive",
     "data.batch_size", "data.grad_accum", "optim.lr", "strategy.bucket_mb",
-    "gtp.fp8_block",
+    "gtp.fp8_block", "gtp.muon_bucket_mb",
 )
 NON_NEGATIVE: tuple[str, ...] = (
     "checkpoint.every", "gtp.size", "gtp.finalize_depth", "tp.size",
@@ -487,9 +531,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
     if (m.n_embd // m.n_head) % 2:
         raise ConfigError(f"model.n_embd / model.n_head = {m.n_embd // m.n_head} must be even (rotary)")
-    if cfg.data.source == "builtin" and m.vocab_size < 258:
+    if cfg.data.source in ("builtin", "text") and m.vocab_size < 258:
         raise ConfigError(f"model.vocab_size = {m.vocab_size} is smaller than the byte tokenizer's 258 ids "
-                          "(data.source = builtin); use model.vocab_size >= 258 (320 is the padded default)")
+                          f"(data.source = {cfg.data.source}); use model.vocab_size >= 258 (320 is the padded "
+                          "default)")
     if m.bigram_rows == 1:
         raise ConfigError("model.bigram_rows must be 0 (off) or >= 2, got 1")
     # lowband's GPT: its plan's table names are known here; a factory model's are checked against its
@@ -505,6 +550,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           f"({cfg.data.grad_accum})")
     if cfg.data.source == "bin" and not cfg.data.train_bin:
         raise ConfigError("data.train_bin must name .bin shards (a glob) when data.source = bin")
+    if cfg.data.source == "text" and not cfg.data.path.strip():
+        raise ConfigError("data.path must name a UTF-8 text file or a glob of them when data.source = text")
+    if not 0 < cfg.data.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
     if not 0 <= cfg.optim.beta1 < 1 or not 0 <= cfg.optim.beta2 < 1:
         raise ConfigError(f"optim.beta1/beta2 must be in [0, 1), got {cfg.optim.beta1}, {cfg.optim.beta2}")
     if cfg.optim.min_lr_ratio > 1:

@@ -9,7 +9,8 @@ field or file and what to do, and the CLI exits with code 2.
   :func:`lowband.data.shards.shard_max_token`); the training and validation tokens hold at least one
   global batch of windows (``data.batch_size x world size`` windows of ``model.seq_len + 1`` tokens, the
   validation loader ``data.batch_size / data.grad_accum`` per rank). The built-in corpus is built
-  (cached) and checked the same way.
+  (cached) and checked the same way, and so is ``data.source = text`` (:func:`text_source`: the files
+  exist, are non-empty UTF-8; their cached shards are built here).
 * **directories**: ``run.out_dir`` and, when saving, the checkpoint directory can be created and written
   (a probe file); a warning when the checkpoint directory's free space is below the size of the last
   checkpoint there.
@@ -29,6 +30,8 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from lowband.data.shards import ShardError
 from lowband.train.config import Config, ConfigError
@@ -105,6 +108,17 @@ def _vocab_check(pattern: str, field: str, vocab: int) -> int:
     return total
 
 
+def text_source(cfg: Config) -> tuple[np.ndarray, np.ndarray, Path]:
+    """``(train, val, cache folder)`` of ``data.source = text`` (:func:`lowband.data.text.text_corpus`; builds
+    the cache on a miss); a missing, empty or non-UTF-8 file raises ``ConfigError`` naming it."""
+    from lowband.data.text import TextSourceError, text_corpus
+
+    try:
+        return text_corpus(cfg.data.path, cfg.data.val_fraction)
+    except TextSourceError as e:
+        raise ConfigError(str(e)) from e
+
+
 def check_data(cfg: Config, world: int) -> None:
     """Vocabulary bounds and corpus length against one global batch (see the module docstring)."""
     d, m = cfg.data, cfg.model
@@ -114,6 +128,11 @@ def check_data(cfg: Config, world: int) -> None:
         n_val = _vocab_check(d.val_bin, "data.val_bin", m.vocab_size) if d.val_bin else max(n_train // 20, 1)
         train_what = f"data.train_bin {d.train_bin!r}"
         val_what = f"data.val_bin {d.val_bin!r}" if d.val_bin else "the validation tail (last 1/20) of data.train_bin"
+    elif d.source == "text":
+        train, val, _ = text_source(cfg)
+        n_train, n_val = int(train.size), int(val.size)
+        train_what = f"data.path {d.path!r} (training split)"
+        val_what = f"data.path {d.path!r} (validation split, the last data.val_fraction = {d.val_fraction})"
     else:
         from lowband.data import builtin_corpus
 

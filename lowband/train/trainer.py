@@ -23,15 +23,23 @@ import torch
 from torch import nn
 
 from lowband.plan import ModelPlan, plan_for
-from lowband.train.checkpoint import TrainCheckpointer
+from lowband.train.checkpoint import MARKER, STEP_PREFIX, TrainCheckpointer
 from lowband.train.config import Config, ConfigError, to_toml
 from lowband.train.env import DistEnv, init_distributed
 from lowband.train.forward import lm_loss, resolve_convention
 from lowband.train.guards import NonFiniteGuard, peer_failure_guard
-from lowband.train.metrics import RunWriter, format_log_line, peak_memory_bytes
+from lowband.train.metrics import (
+    IntervalMeter,
+    RunWriter,
+    allreduce_reference_bytes,
+    format_log_line,
+    peak_memory_bytes,
+)
 from lowband.train.models import DTYPES, ModelFactory, call_factory, check_plan, gpt_factory, load_factory
 from lowband.train.strategies import get_strategy_class
 from lowband.train.strategies.base import Strategy
+from lowband.train.summary import format_summary, run_summary, write_summary
+from lowband.train.tensorboard import TensorBoardWriter, check_tensorboard
 
 __all__ = ["DTYPES", "TrainResult", "build_model", "build_model_and_plan", "evaluate", "train"]
 
@@ -50,6 +58,10 @@ class TrainResult:
     """1-based steps whose update the non-finite guard skipped (this run and the checkpointed part)."""
     stopped_by: int = 0
     """The signal that stopped the run early (after step ``steps``, every rank alike; 0 = not stopped)."""
+    model_path: Path | None = None
+    """``<run dir>/model.safetensors`` on rank 0 when the run exported its final model (``run.export``); else None."""
+    summary: dict[str, Any] | None = None
+    """The end-of-run summary (:func:`lowband.train.summary.run_summary`; this rank's counts)."""
 
 
 def build_model(cfg: Config, device: torch.device) -> nn.Module:
@@ -67,9 +79,36 @@ def build_model_and_plan(cfg: Config, device: torch.device,
 
 
 def load_token_arrays(cfg: Config, env: DistEnv) -> tuple[np.ndarray, np.ndarray]:
-    """Train and validation tokens: the built-in corpus (rank 0 builds the cache first) or .bin shards."""
+    """Train and validation tokens: the built-in corpus (rank 0 builds the cache first), your text files
+    (``data.source = text``: rank 0 builds or finds the cache, then one ``all_gather_object`` on the metrics
+    ``Comm`` (tag ``corpus``) gives every rank its folder, or the same error), or .bin shards."""
     from lowband.data import builtin_corpus, load_tokens
 
+    if cfg.data.source == "text":
+        from lowband.data.text import read_cache
+        from lowband.train.preflight import text_source
+
+        verdict: tuple[str, str] | None = None
+        failure: BaseException | None = None
+        if env.rank == 0:
+            try:
+                train, val, folder = text_source(cfg)
+                verdict = ("ok", str(folder))
+            except Exception as e:  # every rank must learn of it before the first training collective
+                failure, verdict = e, ("config" if isinstance(e, ConfigError) else "failed", str(e))
+        if env.world_size > 1:
+            verdict = env.metrics_comm.all_gather_object(verdict, tag="corpus")[0]
+        assert verdict is not None
+        if failure is not None:
+            raise failure
+        if verdict[0] == "config":
+            raise ConfigError(verdict[1])
+        if verdict[0] == "failed":
+            raise RuntimeError(f"rank 0 could not build the text cache of data.path: {verdict[1]}")
+        if env.rank == 0:
+            return train, val
+        cached = read_cache(verdict[1])  # None on another machine: build the same cache there
+        return cached if cached is not None else text_source(cfg)[:2]
     if cfg.data.source == "bin":
         train = load_tokens(cfg.data.train_bin)
         val = load_tokens(cfg.data.val_bin) if cfg.data.val_bin else train[-max(len(train) // 20, 1):]
@@ -137,6 +176,26 @@ def _rows_before(path: Path, step: int) -> list[dict[str, Any]]:
     return [r for r in rows if isinstance(r, dict) and r.get("step", step + 1) <= step]
 
 
+def _gather_counters(meter: IntervalMeter, env: DistEnv) -> dict[str, Any]:
+    """Collective (one ``all_gather_object`` on the metrics ``Comm``, tag ``ckpt``): every rank's cumulative
+    byte counters, in rank order, for the checkpoint (the same list on every rank)."""
+    return {"counters": env.metrics_comm.all_gather_object(meter.state_dict(), tag="ckpt")}
+
+
+def _restore_counters(meter: IntervalMeter, extra: Any, env: DistEnv, start_step: int, log: bool) -> None:
+    """Continue the cumulative byte counts from the resumed checkpoint (rank ``r`` takes the count saved by
+    rank ``r`` modulo the saved world size, as its RNG state)."""
+    if not start_step:
+        return
+    counters = extra.get("counters") if isinstance(extra, dict) else None
+    if not counters:
+        if env.is_main and log:
+            print(f"lowband.train: the checkpoint holds no cumulative byte counts (saved by an older lowband): "
+                  f"wire_bytes_cumulative counts from step {start_step}", flush=True)
+        return
+    meter.load_state_dict(counters[env.rank % len(counters)])
+
+
 def train(cfg: Config, env: DistEnv | None = None, *, model_factory: ModelFactory | None = None,
           write_run_dir: bool = True, log: bool = True, stop_after: int | None = None) -> TrainResult:
     """Train per ``cfg``; returns the logged rows and final losses (rank 0 writes the run dir).
@@ -169,9 +228,9 @@ def _model_and_plan(cfg: Config, env: DistEnv, strategy_cls: type[Strategy],
                    else None)
     except ValueError as e:
         raise ConfigError(str(e)) from e
-    if plan.vocab_size is not None and cfg.data.source == "builtin" and plan.vocab_size < 258:
+    if plan.vocab_size is not None and cfg.data.source in ("builtin", "text") and plan.vocab_size < 258:
         raise ConfigError(f"the model's vocabulary ({plan.vocab_size}, from its plan) is smaller than the byte "
-                          "tokenizer's 258 ids (data.source = builtin)")
+                          f"tokenizer's 258 ids (data.source = {cfg.data.source})")
     return model, plan
 
 
@@ -179,9 +238,11 @@ def _train(cfg: Config, env: DistEnv, *, model_factory: ModelFactory | None, wri
            stop_after: int | None) -> TrainResult:
     from lowband.data import DistributedLoader
 
+    wall_start = time.perf_counter()
     _set_threads(cfg)
     strategy_cls = get_strategy_class(cfg.strategy.name)
     strategy_cls.validate_config(cfg, env.world_size)
+    check_tensorboard(cfg.run.tensorboard)
     train_tokens, val_tokens = load_token_arrays(cfg, env)
     micro = cfg.data.batch_size // cfg.data.grad_accum
     loader = DistributedLoader(train_tokens, cfg.data.batch_size, cfg.model.seq_len, env.rank, env.world_size,
@@ -195,11 +256,16 @@ def _train(cfg: Config, env: DistEnv, *, model_factory: ModelFactory | None, wri
     strategy.setup(model)
     schedule = torch.optim.lr_scheduler.LambdaLR(strategy.optimizer, lr_factor(cfg))
     guard = NonFiniteGuard(env.metrics_comm, cfg.guard.skip_nonfinite, cfg.guard.max_consecutive)
-    checkpointer = TrainCheckpointer(cfg, env, strategy, schedule, loader, guard)
+    global_tokens = cfg.data.batch_size * cfg.model.seq_len * env.world_size
+    meter = IntervalMeter(global_tokens, allreduce_reference_bytes(strategy.param_shapes(), env.world_size))
+    checkpointer = TrainCheckpointer(cfg, env, strategy, schedule, loader, guard,
+                                     extra_state=lambda: _gather_counters(meter, env))
     start_step = checkpointer.resume()
+    _restore_counters(meter, checkpointer.extra, env, start_step, log)
     end_step = cfg.run.steps if stop_after is None else max(min(stop_after, cfg.run.steps), start_step)
 
     writer: RunWriter | None = None
+    tb: TensorBoardWriter | None = None
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     if env.is_main and log and checkpointer.resumed_from is not None:
         print(f"lowband.train: resumed from {checkpointer.resumed_from.path} (step {start_step})", flush=True)
@@ -209,11 +275,11 @@ def _train(cfg: Config, env: DistEnv, *, model_factory: ModelFactory | None, wri
         for row in earlier:  # a resumed run keeps the history up to its checkpoint
             writer.write(row)
         (run_dir / "config.toml").write_text(to_toml(cfg))
+        tb = TensorBoardWriter(run_dir) if cfg.run.tensorboard else None
     if env.is_main and log:
         nparams = sum(p.numel() for p in strategy.unwrapped().parameters())
         print(f"lowband.train: strategy {cfg.strategy.name} | world {env.world_size} | device "
-              f"{env.device} | params {nparams:,} | tokens/step "
-              f"{cfg.data.batch_size * cfg.model.seq_len * env.world_size:,}", flush=True)
+              f"{env.device} | params {nparams:,} | tokens/step {global_tokens:,}", flush=True)
 
     stopped_by = 0
     ledger = env.ledger
@@ -221,7 +287,7 @@ def _train(cfg: Config, env: DistEnv, *, model_factory: ModelFactory | None, wri
     rows: list[dict[str, Any]] = []
     last_loss: float | None = None
     last_val: float | None = None
-    global_tokens = cfg.data.batch_size * cfg.model.seq_len * env.world_size
+    last_checkpoint: str | None = None
     for step in range(start_step, end_step):
         t0 = time.perf_counter()
         x, y = loader.batch(step)
@@ -249,19 +315,23 @@ def _train(cfg: Config, env: DistEnv, *, model_factory: ModelFactory | None, wri
             torch.cuda.synchronize(env.device)
         step_time = time.perf_counter() - t0
         totals = ledger.mark_step()
+        meter.add(loss_sum / cfg.data.grad_accum, grad_norm, step_time, totals.wire_bytes, totals.count,
+                  verdict.skip)
         is_last = step == cfg.run.steps - 1
-        if (step + 1) % cfg.run.log_every == 0 or step == 0 or is_last:
-            mean_loss = (loss_sum / cfg.data.grad_accum).cpu()
+        stop_now = bool(verdict.stop) and step + 1 < end_step  # a signal: every rank stops after this step
+        if (step + 1) % cfg.run.log_every == 0 or step == 0 or is_last or step + 1 == end_step or stop_now:
+            mean_loss = meter.local_loss_mean()  # the interval's mean; one all-reduce per logged row
             env.metrics_comm.all_reduce(mean_loss, "avg", tag="loss")
             last_loss = float(mean_loss)
-            row = {"step": step + 1, "loss": last_loss, "lr": lr, "grad_norm": grad_norm,
-                   "tokens_per_s": global_tokens / step_time, "step_time_s": step_time,
-                   "wire_bytes": totals.wire_bytes, "wire_mb": totals.wire_bytes / 1e6,
-                   "collectives": totals.count, "peak_mem_bytes": peak_memory_bytes(env.device),
-                   "skipped": verdict.skip, "skipped_total": guard.total, "extras": strategy.log_extras()}
+            interval = meter.row(last_loss, end_step - step - 1)
+            row = {"step": step + 1, "loss": interval.pop("loss"), "lr": lr, **interval,
+                   "peak_mem_bytes": peak_memory_bytes(env.device), "skipped_total": guard.total,
+                   "extras": strategy.log_extras()}
             rows.append(row)
             if writer:
                 writer.write(row)
+            if tb:
+                tb.write(row)
             if env.is_main and log:
                 print(format_log_line(row, cfg.run.steps), flush=True)
         if (cfg.run.val_every and (step + 1) % cfg.run.val_every == 0) or is_last:
@@ -270,10 +340,12 @@ def _train(cfg: Config, env: DistEnv, *, model_factory: ModelFactory | None, wri
             rows.append(vrow)
             if writer:
                 writer.write(vrow)
+            if tb:
+                tb.write(vrow)
             if env.is_main and log:
                 print(f"step {step + 1:>5}/{cfg.run.steps} | val_loss {last_val:.4f}", flush=True)
-        stop_now = bool(verdict.stop) and step + 1 < end_step  # a signal: every rank stops after this step
         if checkpointer.due(step + 1, final=step + 1 == end_step or stop_now) and checkpointer.save(step + 1):
+            last_checkpoint = str(checkpointer.directory / f"{STEP_PREFIX}{step + 1}")
             if env.is_main and log:
                 print(f"lowband.train: checkpoint step-{step + 1} ({checkpointer.manager.last_save_s:.2f} s"
                       f"{', async' if cfg.checkpoint.async_save else ''})", flush=True)
@@ -281,10 +353,33 @@ def _train(cfg: Config, env: DistEnv, *, model_factory: ModelFactory | None, wri
             stopped_by, end_step = verdict.stop, step + 1
             break
     checkpointer.close()
+    model_path: Path | None = None
+    if write_run_dir and cfg.run.export:  # collective on every rank alike; rank 0 writes (lowband.train.export)
+        from lowband.train.export import export_model
+
+        model_path = export_model(strategy, cfg, env, run_dir, step=end_step, model_factory=model_factory)
+        if model_path is not None and log:
+            print(f"lowband.train: model written to {model_path}", flush=True)
+    if last_checkpoint is not None and env.is_main and not (Path(last_checkpoint) / MARKER).is_file():
+        last_checkpoint = None  # an async save that failed to commit (checkpoint.on_save_error = continue)
+    summary = run_summary(
+        env.metrics_comm, strategy=cfg.strategy.name, world_size=env.world_size, start_step=start_step,
+        end_step=end_step, tokens_per_step=global_tokens, wall_time_s=time.perf_counter() - wall_start,
+        train_time_s=meter.run_time_s, final_loss=last_loss, final_val_loss=last_val,
+        wire_bytes_total=meter.run_wire_bytes, wire_bytes_cumulative=meter.cumulative,
+        allreduce_ref_bytes_total=meter.run_ref_bytes, peak_mem_bytes=peak_memory_bytes(env.device),
+        skipped_steps=list(guard.skipped_steps), checkpoint=last_checkpoint,
+        model_path=None if model_path is None else str(model_path), stopped_by=stopped_by)
+    if tb:
+        tb.close()
+    if env.is_main and log:
+        print(format_summary(summary), flush=True)
     if writer:
         writer.close()
+        write_summary(run_dir, summary)
         if log:
             print(f"lowband.train: run directory {run_dir}", flush=True)
     return TrainResult(steps=end_step, final_loss=last_loss, final_val_loss=last_val,
                        run_dir=run_dir if writer else None, rows=rows, strategy=strategy, start_step=start_step,
-                       skipped_steps=list(guard.skipped_steps), stopped_by=stopped_by)
+                       skipped_steps=list(guard.skipped_steps), stopped_by=stopped_by,
+                       model_path=model_path, summary=summary)

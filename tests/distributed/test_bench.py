@@ -33,7 +33,8 @@ def test_comm_suite_shape_and_bytes(tmp_path: Path) -> None:
 def test_dp_suite_ddp(tmp_path: Path) -> None:
     out = tmp_path / "dp.json"
     assert main(["dp", "--world", "2", "--repeats", "2", "--warmup", "1", "--out", str(out), "--n-layer", "1",
-                 "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--batch-size", "2"]) == 0
+                 "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--batch-size", "2",
+                 "--contenders", "ddp"]) == 0
     doc = json.loads(out.read_text())
     (row,) = doc["results"]
     n = doc["config"]["params"]
@@ -66,3 +67,45 @@ def test_dp_suite_torch_contenders_agree(tmp_path: Path) -> None:
     assert rows["zero"]["wire_bytes_per_step_per_rank"] == s + s // 2  # DDP all-reduce + parameter broadcast
     assert rows["sharded-adamw"]["wire_bytes_per_step_per_rank"] == s + 4  # RS + AG + the clip-norm scalar
     assert rows["sharded-adamw"]["optimizer_state_bytes_per_rank"] == s  # two moments over half the params
+
+
+def test_dp_suite_muon_baselines(tmp_path: Path) -> None:
+    """ddp-muon (torch DDP + torch.optim.Muon), fsdp2-muon (torch.optim.Muon on FSDP2's DTensors) and
+    lowband's sharded-muon are the same optimizer: same final loss; bytes and state as each one's
+    layout says (N = 2, S = fp32 parameter bytes; every dim of this model is even, so no padding)."""
+    out = tmp_path / "dp.json"
+    assert main(["dp", "--world", "2", "--repeats", "2", "--warmup", "1", "--out", str(out), "--n-layer", "1",
+                 "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--batch-size", "2",
+                 "--contenders", "ddp,ddp-muon,sharded-muon,fsdp2,fsdp2-muon"]) == 0
+    doc = json.loads(out.read_text())
+    rows = {r["name"]: r for r in doc["results"]}
+    s = doc["config"]["params"] * 4
+    d, v = doc["config"]["model"]["n_embd"], doc["config"]["model"]["vocab_size"]
+    muon_bytes = 12 * d * d * 4  # qkv 3d x d, proj d x d, fc 4d x d, proj d x 4d
+    assert doc["config"]["muon_ns_dtype_resolved"] == "torch.float32"
+    for name in ("sharded-muon", "fsdp2-muon"):
+        # float32 Newton-Schulz in all three (torch's iteration made to run in fp32): the updates differ by
+        # rounding (reduction order, addmm vs matmul+add, eps placement ~1e-7 relative) amplified by at
+        # most a^5 = 3.4445^5 ~ 480 through the 5 iterations: ~1e-4 relative on a step of lr 0.02 moves
+        # a loss ~5.8 by far less than 1e-4 in 3 steps; a different optimizer moves it by ~1e-3 (vs ddp)
+        assert abs(rows[name]["final_loss"] - rows["ddp-muon"]["final_loss"]) < 1e-4, name
+    assert abs(rows["ddp-muon"]["final_loss"] - rows["ddp"]["final_loss"]) > 1e-4  # Muon is not AdamW
+    assert rows["ddp-muon"]["wire_bytes_per_step_per_rank"] == s  # DDP all-reduce, from the ledger
+    # one momentum buffer per Muon matrix + two AdamW moments for the rest, whole on every rank
+    assert rows["ddp-muon"]["optimizer_state_bytes_per_rank"] == muon_bytes + 2 * (s - muon_bytes)
+    # sharded-muon: whole matrices owned by one rank each (4 shape groups of one matrix: ranks own
+    # 2 of the 4) and half of every AdamW moment
+    assert rows["sharded-muon"]["optimizer_state_bytes_per_rank"] < rows["ddp-muon"]["optimizer_state_bytes_per_rank"]
+    assert rows["sharded-muon"]["optimizer_state_ratio_vs"]["ddp-muon"] == (
+        rows["sharded-muon"]["optimizer_state_bytes_per_rank"] / rows["ddp-muon"]["optimizer_state_bytes_per_rank"])
+    # FSDP2 on gloo: all-gather (N-1)/N S + reduce-scatter run as an all-reduce 2(N-1)/N S + the norm scalar
+    assert doc["config"]["fsdp2_reduce_scatter_counted_as"] == "all_reduce"
+    assert rows["fsdp2"]["wire_bytes_per_step_per_rank"] == s // 2 + s + 4
+    fm = rows["fsdp2-muon"]
+    assert fm["muon_step_collectives"]["all_reduce"] >= 4  # Newton-Schulz on DTensors: a norm per matrix ...
+    assert fm["muon_step_collectives"]["all_gather"] > 0  # ... and operands gathered inside the iteration
+    assert fm["wire_bytes_per_step_per_rank"] == s // 2 + s + 4 + fm["muon_step_wire_bytes"]
+    assert fm["optimizer_state_bytes_per_rank"] == (muon_bytes + 2 * (s - muon_bytes)) // 2  # dim-0 shards
+    assert v % 2 == 0 and d % 2 == 0
+    assert set(rows["sharded-muon"]["ratio_vs"]) >= {"ddp", "ddp-muon", "fsdp2-muon"}
+    assert set(rows["ddp-muon"]["ratio_vs"]) == {"ddp"}

@@ -40,6 +40,9 @@ class Strategy:
     name: ClassVar[str] = "base"
     min_world_size: ClassVar[int] = 1
     max_world_size: ClassVar[int | None] = None
+    config_sections: ClassVar[tuple[str, ...]] = ()
+    """Config sections (besides run, model, data, optim, checkpoint, guard) this strategy reads; ``--help-strategy``
+    prints them."""
     needs_parallel_linears: ClassVar[bool] = False
     """True for strategies that split the plan's ``parallel_linears`` (tp, gtp): the trainer refuses a
     model whose plan lists none, naming the strategy and the model class."""

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lowband.comm import Comm
+from lowband.parallel.mesh import ParallelMesh
 from lowband.train.config import Config
 from lowband.train.optimizers import torch_adamw
 from lowband.train.strategies import register_strategy
@@ -33,16 +34,22 @@ def ledger_allreduce_hook(state: tuple[Comm, torch.dtype | None],
 
 
 def wrap_ddp(model: nn.Module, device: torch.device, comm: Comm, cfg: Config) -> DistributedDataParallel:
-    """``model`` in torch DDP over ``comm``'s group, its bucket all-reduce routed through ``comm``."""
+    """``model`` in torch DDP over ``comm``'s group, its bucket all-reduce routed through ``comm``.
+
+    DDP's construction broadcasts parameters and buffers from the group's first rank (its init sync, on the
+    process group directly); ``forward_sync_buffers=False`` (torch 2.13's name for the deprecated
+    ``broadcast_buffers=False``, which warned) skips DDP's buffer broadcast before every forward."""
     ddp = DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None, process_group=comm.group,
-        bucket_cap_mb=cfg.strategy.bucket_mb, gradient_as_bucket_view=True, broadcast_buffers=False)
+        bucket_cap_mb=cfg.strategy.bucket_mb, gradient_as_bucket_view=True, forward_sync_buffers=False)
     ddp.register_comm_hook((comm, _WIRE[cfg.strategy.grad_wire_dtype]), ledger_allreduce_hook)
     return ddp
 
 
 @register_strategy("ddp")
 class DDPStrategy(Strategy):
+    config_sections = ("strategy",)
+
     def setup(self, model: nn.Module) -> None:
         if self.env.world_size > 1:
             self.model = wrap_ddp(model, self.env.device, self.env.comm, self.cfg)
@@ -50,6 +57,18 @@ class DDPStrategy(Strategy):
             self.model = model
         o = self.cfg.optim
         self.optimizer = torch_adamw(model, o)
+
+    def setup_on_mesh(self, model: nn.Module, mesh: ParallelMesh) -> None:
+        """DDP over ``mesh.dp`` (e.g. the ranks of one DiLoCo replica) + torch AdamW; ``mesh.gtp`` and
+        ``mesh.tp`` must have size 1. DDP's construction broadcasts the weights from the group's first
+        rank, so the ranks of ``mesh.dp`` start equal; replicas are made equal by the caller (DiLoCo's
+        ``init_sync`` broadcast over ``mesh.replica``). :meth:`setup` keeps DDP over the world ``Comm``."""
+        if mesh.gtp.size != 1 or mesh.tp.size != 1:
+            raise ValueError(f"strategy ddp: the mesh has gtp = {mesh.gtp.size}, tp = {mesh.tp.size}; DDP "
+                             "replicates the model over the dp axis only (both must be 1)")
+        self.mesh = mesh
+        self.model = wrap_ddp(model, self.env.device, mesh.dp, self.cfg) if mesh.dp.size > 1 else model
+        self.optimizer = torch_adamw(model, self.cfg.optim)
 
     @contextlib.contextmanager
     def microbatch(self, last: bool) -> Iterator[None]:

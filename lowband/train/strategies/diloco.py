@@ -1,20 +1,41 @@
-"""``diloco``: Streaming DiLoCo across replica groups, DDP inside each replica.
+"""``diloco``: Streaming DiLoCo across replica groups, any inner strategy inside each replica.
 
-The world is split replica-major into ``diloco.num_replicas`` replica groups of ``world / replicas``
-ranks (:func:`lowband.diloco.replica_mesh`). Inside a replica: torch DDP over the ``dp`` group with
-its gradient all-reduce routed through a ``dp`` :class:`~lowband.comm.Comm` (tag ``grad``), and AdamW
-as the inner optimizer. Across replicas: :class:`lowband.diloco.StreamingDiLoCo` on the ``replica``
-group (same dp rank in every replica), driven by AdamW's step post-hook: one fragment every
-``sync_every / fragments`` steps, its averaged pseudo-gradient on the ``diloco.wire`` format (tags
-``diloco:frag<i>``), outer Nesterov SGD on CPU global copies.
+Mesh: :func:`lowband.parallel.mesh.build_mesh` with ``replica = diloco.num_replicas`` (0 = one per
+rank), ``gtp = gtp.size`` (0 = the whole replica) for ``diloco.inner = "gtp"`` (else 1) and ``dp`` the
+rest of a replica, laid out replica-major (``rank = (replica * dp + dp_rank) * gtp + gtp_rank``).
 
-State per rank: the model, AdamW moments (replicated within a replica), plus on CPU one global copy
-of every parameter, the outer momentum and, with error feedback (``diloco.error_feedback``, on by
-default for the message codecs int4 / int2 / topk*), one residual per parameter (all counted in
-``optimizer_state_bytes``).
+Inside a replica: the strategy named by ``diloco.inner``, an ordinary strategy object set up with
+:meth:`setup_on_mesh(model, mesh) <lowband.train.strategies.base.Strategy>` on that mesh (its
+gradients are averaged over ``mesh.dp``, GTP shards over ``mesh.gtp``):
+
+* ``ddp``: torch DDP over ``dp`` (bucket all-reduce through a ``dp`` :class:`~lowband.comm.Comm`, tag
+  ``grad``) + torch AdamW;
+* ``sharded-adamw`` / ``sharded-muon``: :class:`lowband.optim.ShardedOptimizer` over ``dp``
+  (reduce-scatter, owner update, all-gather; Muon for the hidden matrices, AdamW for the rest), with
+  ``param_gather = "step"`` so the DiLoCo hook after ``step()`` reads the updated, gathered weights;
+  sparse tables (``sparse.tables``) exchange only their touched rows inside the replica;
+* ``gtp``: every linear weight (and plain embedding) row-sharded over ``gtp``, ``gtp.optimizer`` AdamW
+  or Muon on the shards, gradients averaged over ``dp``.
+
+This strategy delegates ``microbatch``, ``clip_grad_norm``, ``optimizer_step``, ``skip_step``,
+``observe_batch``, ``prepare_resume``, ``unwrapped`` and ``param_shapes`` to the inner strategy.
+
+Across replicas: :class:`lowband.diloco.StreamingDiLoCo` on the ``replica`` group (the ranks with the
+same ``(dp, gtp)`` coordinates in every replica), driven by the inner optimizer's step post-hook: one
+fragment every ``sync_every / fragments`` steps, its averaged pseudo-gradient on the ``diloco.wire``
+format (tags ``diloco:frag<i>``), outer Nesterov SGD on CPU global copies. The fragments are cut from
+the model *before* the inner strategy shards it (the plan's ``fragment_units``, by parameter name), so
+every inner strategy syncs the same parameters in the same fragments. With ``gtp`` inside, a
+parameter is this rank's row shard and its peer in every other replica is the same shard (same gtp
+coordinate): the outer all-reduce moves ``1/gtp`` of a sharded weight's bytes per rank.
+
+State per rank: the model and the inner optimizer state in the inner strategy's layout, plus on CPU one
+global copy of every (local) parameter, the outer momentum and, with error feedback
+(``diloco.error_feedback``, on by default for the message codecs int4 / int2 / topk*), one residual per
+parameter (all counted in ``optimizer_state_bytes``).
 """
 
-# No `from __future__ import annotations`: DDP inspects the comm hook's annotations at run time.
+from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
@@ -22,23 +43,32 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from lowband.comm.codecs import WIRE_CODECS
-from lowband.diloco import StreamingDiLoCo, replica_mesh
-from lowband.optim import ShardedOptimizer
-from lowband.train.optimizers import adamw_param_groups, torch_adamw
-from lowband.train.strategies import register_strategy
+from lowband.diloco import StreamingDiLoCo, split_fragments
+from lowband.diloco.shards import GTPShardLayout
+from lowband.parallel.mesh import build_mesh
+from lowband.train.strategies import get_strategy_class, register_strategy
 from lowband.train.strategies.base import Strategy
-from lowband.train.strategies.ddp import wrap_ddp
-from lowband.train.strategies.sharded import _WIRE as _SHARDED_WIRE
 
 WIRES = tuple(c for c in WIRE_CODECS if c != "fp64")
 ERROR_FEEDBACK = {"auto": None, "on": True, "off": False}
+INNER = ("ddp", "sharded-adamw", "sharded-muon", "gtp")
+"""Strategies that can run inside a DiLoCo replica (``diloco.inner``)."""
+SHARDED_INNER = ("sharded-adamw", "sharded-muon")
+
+
+def inner_gtp_size(cfg: Any, world_size: int) -> int:
+    """GTP group size inside a replica (1 unless ``diloco.inner = "gtp"``; ``gtp.size = 0`` = the replica)."""
+    d = cfg.diloco
+    per_replica = world_size // (d.num_replicas or world_size)
+    return (cfg.gtp.size or per_replica) if d.inner == "gtp" else 1
 
 
 @register_strategy("diloco")
 class DilocoStrategy(Strategy):
+    config_sections = ("strategy", "diloco")  # + the sections of diloco.inner's strategy (--help-strategy)
+
     @classmethod
     def validate_config(cls, cfg, world_size: int) -> None:
         from lowband.train.config import ConfigError
@@ -74,59 +104,120 @@ class DilocoStrategy(Strategy):
         if d.outer_lr <= 0 or d.outer_momentum < 0 or d.bucket_mb < 0:
             raise ConfigError("diloco.outer_lr must be > 0, diloco.outer_momentum and diloco.bucket_mb >= 0; "
                               f"got {d.outer_lr}, {d.outer_momentum}, {d.bucket_mb}")
+        cls._validate_inner(cfg, world_size // replicas)
 
+    @staticmethod
+    def _validate_inner(cfg, per_replica: int) -> None:
+        """``diloco.inner`` and the settings of the strategy inside a replica of ``per_replica`` ranks."""
+        from lowband.train.config import ConfigError
+
+        d = cfg.diloco
+        if d.inner not in INNER:
+            raise ConfigError(f"diloco.inner must be one of {', '.join(INNER)}; got {d.inner!r}")
+        if cfg.sparse.tables and d.inner not in SHARDED_INNER:
+            raise ConfigError(f"sparse.tables = {list(cfg.sparse.tables)} needs diloco.inner = sharded-adamw or "
+                              f"sharded-muon (the sharded optimizer exchanges a table's touched rows); got "
+                              f"diloco.inner = {d.inner}")
+        if d.inner == "gtp":
+            g = cfg.gtp.size
+            if g < 0 or (g and per_replica % g):
+                raise ConfigError(f"gtp.size must be 0 (the whole replica) or a divisor of run.world_size / "
+                                  f"diloco.num_replicas = {per_replica} ranks per replica (diloco.inner = gtp); "
+                                  f"got {g}")
+            get_strategy_class("gtp").validate_config(cfg, per_replica)  # gtp.* (and gtp.optimizer) checks
+        if d.inner in SHARDED_INNER:
+            # an fp32 master copy of the owned slices (kept for bf16 gathers or bf16 parameters) would not see
+            # the weights DiLoCo writes at every sync: the next inner step would overwrite them from it
+            if cfg.sharded.param_wire_dtype != "float32":
+                raise ConfigError(f"sharded.param_wire_dtype = {cfg.sharded.param_wire_dtype} is not supported with "
+                                  f"diloco.inner = {d.inner} (its fp32 master copy would not see the weights "
+                                  "DiLoCo writes at a sync); use float32")
+            if cfg.run.dtype == "bfloat16":
+                raise ConfigError(f"run.dtype = bfloat16 is not supported with diloco.inner = {d.inner} (the "
+                                  "sharded optimizer's fp32 master copy would not see the weights DiLoCo writes at "
+                                  "a sync); use float32 or float64, or diloco.inner = ddp")
+            if cfg.sparse.tables and not cfg.model.factory:
+                for t in cfg.sparse.tables:
+                    if t not in ("bigram", "tok_emb"):
+                        raise ConfigError(f"sparse.tables: {t!r} is not allowed; allowed: bigram, tok_emb")
+                    if t == "bigram" and cfg.model.bigram_rows == 0:
+                        raise ConfigError("sparse.tables = ['bigram'] needs model.bigram_rows >= 2")
+
+    # ------------------------------------------------------------------------------------------ setup
     def setup(self, model: nn.Module) -> None:
+        """Build the replica x dp x gtp mesh, set the inner strategy up on it, then Streaming DiLoCo on the
+        replica axis. Collectives: the mesh's groups, the inner strategy's initial sync, DiLoCo's
+        settings check and initial broadcast over the replica group."""
+        from lowband.train.config import ConfigError
+
         d = self.cfg.diloco
-        replicas = d.num_replicas or self.env.world_size
-        self.mesh = replica_mesh(replicas, ledger=self.env.ledger)
-        self.sharded_inner = d.inner == "sharded-adamw"
-        if self.sharded_inner:
-            # Sharded AdamW over the replica's dp ranks; param_gather="step" so the DiLoCo post-hook reads
-            # the updated, all-gathered weights.
-            o, s = self.cfg.optim, self.cfg.strategy
-            self.model = model
-            self.optimizer = ShardedOptimizer(
-                [dict(g, algorithm="adamw") for g in adamw_param_groups(model, o.weight_decay)], lr=o.lr,
-                betas=(o.beta1, o.beta2), eps=o.eps, comm=self.mesh.dp, bucket_mb=s.bucket_mb,
-                grad_wire_dtype=_SHARDED_WIRE[s.grad_wire_dtype], param_gather="step")
-        elif self.mesh.dp_size > 1:
-            self.model = wrap_ddp(model, self.env.device, self.mesh.dp, self.cfg)
-        else:
-            self.model = model
-        if not self.sharded_inner:
-            self.optimizer = torch_adamw(model, self.cfg.optim)
+        world = self.env.world_size
+        replicas = d.num_replicas or world
+        gtp = inner_gtp_size(self.cfg, world)
+        plan = self.model_plan(model)
+        inner_cls = get_strategy_class(d.inner)
+        if inner_cls.needs_parallel_linears and not plan.parallel_linears:
+            raise ConfigError(f"diloco.inner = {d.inner} needs the model plan's parallel_linears (the linears "
+                              f"to shard); the plan of {type(model).__name__} lists none")
+        # fragments by name, cut from the unsharded model, so every inner strategy syncs the same split
+        frag_names = [f.names for f in split_fragments(model, d.fragments, plan=plan)]
+        self.mesh = build_mesh(replica=replicas, dp=world // (replicas * gtp), gtp=gtp, ledger=self.env.ledger)
+        inner = inner_cls(self.cfg, self.env)
+        inner.plan, inner.forward = plan, self.forward
+        if d.inner in SHARDED_INNER:
+            inner.param_gather = "step"  # type: ignore[attr-defined]
+        inner.setup_on_mesh(model, self.mesh)  # type: ignore[attr-defined]
+        self.inner = inner
+        self.model, self.optimizer = inner.model, inner.optimizer
+        params = dict(inner.unwrapped().named_parameters())
+        shards = GTPShardLayout(inner.unwrapped())
+        # GTP inside: each fragment lists its whole (replicated) parameters first, then its row shards, with
+        # a bucket break between them: the replicated values are then encoded alone, identically on every
+        # rank of the replica, and stay identical there under block / top-k codecs
+        fragments, breaks = [], []
+        for names in frag_names:
+            whole = [n for n in names if n not in shards.weights]
+            fragments.append([params[n] for n in whole + [n for n in names if n in shards.weights]])
+            breaks.append([sum(params[n].numel() for n in whole)])
 
         def outer(params: list) -> torch.optim.Optimizer:
             return torch.optim.SGD(params, lr=d.outer_lr, momentum=d.outer_momentum,
                                    nesterov=d.outer_nesterov and d.outer_momentum > 0)
 
-        self.diloco = StreamingDiLoCo(model, self.optimizer, comm=self.mesh.cross, sync_every=d.sync_every,
-                                      fragments=d.fragments, delay=d.delay, alpha=d.alpha,
+        self.diloco = StreamingDiLoCo(inner.unwrapped(), self.optimizer, comm=self.mesh.replica,
+                                      sync_every=d.sync_every, fragments=fragments, delay=d.delay, alpha=d.alpha,
                                       outer_optimizer=outer, wire=d.wire, block_size=d.block_size,
                                       topk_chunk=d.topk_chunk, topk_k=d.topk_k,
                                       error_feedback=ERROR_FEEDBACK[d.error_feedback],
-                                      bucket_cap_mb=d.bucket_mb or None, plan=self.model_plan(model))
+                                      bucket_cap_mb=d.bucket_mb or None,
+                                      bucket_breaks=breaks if shards.weights else None, plan=plan)
+        if shards.weights:  # GTP inside: DiLoCo's per-parameter state is saved in logical (whole) shapes
+            self.diloco.state_layout = shards
 
+    # ------------------------------------------------------------------------------ the step (inner)
     @contextlib.contextmanager
     def microbatch(self, last: bool) -> Iterator[None]:
-        if last:
-            yield
-        elif self.sharded_inner:
-            with self.optimizer.no_sync():
-                yield
-        elif isinstance(self.model, DistributedDataParallel):
-            with self.model.no_sync():
-                yield
-        else:
+        with self.inner.microbatch(last):
             yield
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        if self.sharded_inner:  # norm from the owned shards of the replica-averaged gradient
-            return float(self.optimizer.clip_grad_norm(max_norm if max_norm > 0 else float("inf")))
-        return super().clip_grad_norm(max_norm)
+        return self.inner.clip_grad_norm(max_norm)
+
+    def optimizer_step(self) -> None:
+        self.inner.optimizer_step()  # the inner optimizer's step post-hook runs the DiLoCo schedule
+
+    def skip_step(self) -> None:
+        """No inner step, so the DiLoCo hook does not run; an in-flight fragment stays in flight."""
+        self.inner.skip_step()
+
+    def observe_batch(self, tokens: torch.Tensor) -> None:
+        self.inner.observe_batch(tokens)
+
+    def unwrapped(self) -> nn.Module:
+        return self.inner.unwrapped()
 
     def optimizer_state_bytes(self) -> int:
-        total = self.optimizer.state_bytes() if self.sharded_inner else super().optimizer_state_bytes()
+        total = self.inner.optimizer_state_bytes()
         for o in self.diloco.outer:
             for state in o.state.values():
                 total += sum(v.numel() * v.element_size() for v in state.values()
@@ -135,33 +226,51 @@ class DilocoStrategy(Strategy):
         total += sum(r.numel() * r.element_size() for r in self.diloco.residuals if r is not None)
         return total
 
+    def persistent_buffer_bytes(self) -> int:
+        """The inner strategy's persistent buffers (sharded flat grads, GTP gather pools), if it has any."""
+        fn = getattr(self.inner, "persistent_buffer_bytes", None)
+        return int(fn()) if fn is not None else 0
+
     def log_extras(self) -> dict[str, Any]:
-        return {"outer_steps": self.diloco.committed}
+        return {**self.inner.log_extras(), "outer_steps": self.diloco.committed}
 
     # ----------------------------------------------------------------------------------------------
-    # Checkpoint hooks (docs/checkpoints.md); layout: lowband.diloco.state.DilocoCheckpoint (replica-local
-    # model and inner AdamW as (replicas, ...) DTensors, global copies / outer momentum / counters /
-    # in-flight fragment replicated, error-feedback residuals per replica). The format tag carries the
-    # replica count: a checkpoint resumes with as many
-    # replicas as it was saved with. prepare_resume (DDP bucket rebuild) and skip_step (no inner step, so
-    # the DiLoCo hook does not run; an in-flight fragment stays in flight) are the defaults.
+    # Checkpoint hooks (docs/checkpoints.md); layout: lowband.diloco.state.DilocoCheckpoint: the replica's
+    # model and inner optimizer state as per-replica (replicas, ...) DTensor rows (for ddp, torch AdamW's
+    # state per parameter; for the others, the inner strategy's own checkpoint layout gathered to logical
+    # tensors: ShardedStateLayout, GTPStateLayout), global copies / outer momentum / counters / in-flight
+    # fragment replicated, error-feedback residuals per replica. The format tag carries the replica count
+    # and the inner kind: a checkpoint resumes with as many replicas and the same inner strategy (any dp /
+    # gtp size inside a replica). skip_step keeps an in-flight fragment in flight.
 
     def _ckpt_layout(self):
         from lowband.diloco.state import DilocoCheckpoint
 
         if getattr(self, "_ckpt", None) is None:
             m = self.mesh
-            self._ckpt = DilocoCheckpoint(self.unwrapped(), self.optimizer, self.diloco, m.num_replicas,
-                                           m.dp_size, m.replica)
+            per = m.shape.dp * m.shape.gtp
+            inner = None if self.cfg.diloco.inner == "ddp" else self.inner
+            self._ckpt = DilocoCheckpoint(self.unwrapped(), self.optimizer, self.diloco, m.shape.replica, per,
+                                          m.coords.replica, inner=inner, inner_comm=m.dp)
         return self._ckpt
 
     def checkpoint_format(self) -> str | None:
-        if self.sharded_inner:
-            return None  # the checkpoint layout covers the DDP inner optimizer only (docs/checkpoints.md)
-        return f"diloco-r{self.mesh.num_replicas}-v1"
+        inner = self.cfg.diloco.inner
+        r = self.mesh.shape.replica
+        if inner == "ddp":
+            return f"diloco-r{r}-v1"  # the format of the first DiLoCo checkpoints, unchanged
+        if inner == "gtp":
+            return f"diloco-r{r}-gtp-{self.cfg.gtp.optimizer}-v1"
+        return f"diloco-r{r}-{inner}-v1"
 
     def state_dict(self) -> dict[str, Any]:
         return self._ckpt_layout().state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._ckpt_layout().load_state_dict(state)
+
+    def prepare_resume(self) -> None:
+        self.inner.prepare_resume()
+
+    def param_shapes(self) -> dict[str, tuple[list[int], str]]:
+        return self.inner.param_shapes()

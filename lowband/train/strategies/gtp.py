@@ -13,15 +13,24 @@ parameters' grads (norms, other embeddings) over the GTP group (tag ``gtp:replic
 :func:`lowband.parallel.clip_grad_norm_`, one all-reduce of a 2-vector over the GTP group (``gtp:norm``).
 
 State per rank: ``1/gtp`` of every sharded weight (tail-padded rows), its grad and its AdamW moments;
-the replicated parameters whole. Optimizer: torch AdamW (elementwise, so AdamW on a shard equals
-AdamW on the full tensor).
+the replicated parameters whole. Optimizer (``gtp.optimizer``): ``adamw``: torch AdamW (elementwise, so
+AdamW on a shard equals AdamW on the full tensor); ``muon``: :class:`lowband.optim.gtp_muon.GTPMuon`:
+the Muon matrices of :func:`lowband.plan.muon_split` (by name, taken before sharding) at
+``optim.muon_lr`` / ``optim.muon_momentum`` (Nesterov, ``optim.muon_ns_method``, ``optim.muon_ns_dtype``
+as for ``sharded-muon``), routed whole to owner ranks of the GTP group with two all-to-alls per bucket
+per step (tags ``gtp:muon:a2a:grad`` / ``gtp:muon:a2a:update``; each owner keeps the momentum of its
+whole matrices, ~1/gtp of the Muon state); everything else AdamW at ``optim.lr``.
 
 Initial weights: broadcast from rank 0 over the world before sharding (ranks seeded differently
 agree). Tied weights (an output head tied to the token embedding) stay replicated.
 
 Checkpoints: :class:`lowband.parallel.gtp_state.GTPStateLayout`: saved gathered, in logical shapes,
 with the keys of ``single``/``ddp`` (format ``replicated``), so they reshard to any GTP degree and are
-interchangeable with those strategies.
+interchangeable with those strategies. With Muon: :class:`lowband.parallel.gtp_muon_state.GTPMuonStateLayout`
+(format ``gtp-muon-v1``; logical shapes, reshards to any GTP degree, not loadable by ``single``/``ddp``).
+
+Inside a larger mesh (a DiLoCo replica): :meth:`GTPStrategy.setup_on_mesh` takes the mesh's ``gtp``
+and ``dp`` axes instead of building a mesh over the world.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lowband.optim.gtp_muon import GTPMuon
 from lowband.parallel.clip import clip_grad_norm_, global_grad_norm
 from lowband.parallel.gtp import (
     GTPRuntime,
@@ -41,19 +51,23 @@ from lowband.parallel.gtp import (
     shard_linears,
     sync_replicated_grads,
 )
+from lowband.parallel.gtp_muon_state import GTPMuonStateLayout
 from lowband.parallel.gtp_quant import BlockSpec
 from lowband.parallel.gtp_state import GTPStateLayout
 from lowband.parallel.init_sync import sync_module_state
-from lowband.parallel.mesh import build_mesh
-from lowband.train.optimizers import torch_adamw
+from lowband.parallel.mesh import ParallelMesh, build_mesh
+from lowband.plan import muon_split
+from lowband.train.optimizers import adamw_param_groups, torch_adamw
 from lowband.train.strategies import register_strategy
 from lowband.train.strategies.base import Strategy
+from lowband.train.strategies.sharded import muon_ns_dtype
 
 _WIRE = {"float32": None, "bfloat16": torch.bfloat16}
 
 
 @register_strategy("gtp")
 class GTPStrategy(Strategy):
+    config_sections = ("strategy", "gtp")
     needs_parallel_linears = True
 
     @classmethod
@@ -78,13 +92,26 @@ class GTPStrategy(Strategy):
                                       f"gtp.fp8_block ({s.fp8_block})")
 
     def setup(self, model: nn.Module) -> None:
+        """Build the ``dp x gtp`` mesh over the world (``gtp = gtp.size or world``), then
+        :meth:`setup_on_mesh`."""
         s = self.cfg.gtp
         gtp = s.size or self.env.world_size
-        self.mesh = build_mesh(gtp=gtp, ledger=self.env.comm.ledger)
+        self.setup_on_mesh(model, build_mesh(gtp=gtp, ledger=self.env.comm.ledger))
+
+    def setup_on_mesh(self, model: nn.Module, mesh: ParallelMesh) -> None:
+        """Shard ``model`` over ``mesh.gtp`` and average gradients over ``mesh.dp`` (e.g. the mesh of one
+        DiLoCo replica). ``mesh.tp`` must have size 1. The world ``self.env.comm`` is used only for the
+        one-time broadcast of the initial weights from global rank 0 (all replicas start equal)."""
+        if mesh.tp.size != 1:
+            raise ValueError(f"strategy gtp: the mesh has tp = {mesh.tp.size}; GTPStrategy shards over "
+                             "the gtp axis only (tp must be 1)")
+        s = self.cfg.gtp
+        self.mesh = mesh
         self.runtime = GTPRuntime(self.mesh.gtp, gather_format=s.gather,
                                   fp8_block=BlockSpec(s.fp8_block, s.fp8_block),
                                   finalize_depth=s.finalize_depth,
                                   grad_wire_dtype=_WIRE[self.cfg.strategy.grad_wire_dtype])
+        muon_names = self._muon_names(model) if s.optimizer == "muon" else set()
         # one broadcast of the initial weights from rank 0 over the whole world (dp x gtp), then the
         # shard walks only verify; modules tied to another (an output head tied to the embedding)
         # stay replicated (their grads are averaged with the other replicated parameters)
@@ -93,8 +120,32 @@ class GTPStrategy(Strategy):
         shard_linears(model, self.runtime, init_sync=False, sync_comm=self.env.comm)
         self.model = model
         o = self.cfg.optim
-        self.optimizer = torch_adamw(model, o)
-        self._layout = GTPStateLayout(model, self.optimizer)
+        if s.optimizer == "muon":
+            self.optimizer = self._gtp_muon(model, muon_names)
+            self._layout = GTPMuonStateLayout(model, self.optimizer)
+        else:
+            self.optimizer = torch_adamw(model, o)
+            self._layout = GTPStateLayout(model, self.optimizer)
+
+    def _muon_names(self, model: nn.Module) -> set[str]:
+        """Names of the Muon matrices (:func:`lowband.plan.muon_split` with the model's plan), taken
+        before sharding (sharding replaces modules and parameters; names stay)."""
+        muon, _ = muon_split(model, self.model_plan(model))
+        ids = {id(p) for p in muon if p.requires_grad}
+        return {n for n, p in model.named_parameters() if id(p) in ids}
+
+    def _gtp_muon(self, model: nn.Module, muon_names: set[str]) -> GTPMuon:
+        o = self.cfg.optim
+        muon = [p for n, p in model.named_parameters() if n in muon_names]
+        rest = nn.ParameterList([p for n, p in model.named_parameters() if n not in muon_names])
+        groups: list[dict] = []
+        if muon:
+            groups.append({"params": muon, "algorithm": "muon", "lr": o.muon_lr, "momentum": o.muon_momentum,
+                           "nesterov": True, "weight_decay": o.weight_decay, "ns_method": o.muon_ns_method,
+                           "ns_steps": 5, "ns_dtype": muon_ns_dtype(o.muon_ns_dtype, self.env.device)})
+        groups += [dict(g, algorithm="adamw") for g in adamw_param_groups(rest, o.weight_decay)]
+        return GTPMuon(groups, self.mesh.gtp, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                       weight_decay=o.weight_decay, bucket_mb=self.cfg.gtp.muon_bucket_mb)
 
     @contextlib.contextmanager
     def microbatch(self, last: bool) -> Iterator[None]:
@@ -118,10 +169,18 @@ class GTPStrategy(Strategy):
 
     # ------------------------------------------------------------------------------ checkpoints
     def checkpoint_format(self) -> str | None:
-        """``"replicated"``: the state is saved gathered, in the logical (unpadded) shapes and under the
-        same keys as ``single``/``ddp``, so a GTP checkpoint loads at any GTP degree and into those
-        strategies, and theirs into GTP."""
-        return "replicated"
+        """``"replicated"`` (``gtp.optimizer = "adamw"``): the state is saved gathered, in the logical
+        (unpadded) shapes and under the same keys as ``single``/``ddp``, so a GTP checkpoint loads at any
+        GTP degree and into those strategies, and theirs into GTP. ``"gtp-muon-v1"`` (``"muon"``):
+        :class:`lowband.parallel.gtp_muon_state.GTPMuonStateLayout`, also logical and GTP-degree
+        independent, but with Muon momenta that ``single``/``ddp`` have no place for."""
+        return "gtp-muon-v1" if self.cfg.gtp.optimizer == "muon" else "replicated"
+
+    def optimizer_state_bytes(self) -> int:
+        """Exact bytes of this rank's optimizer state (with Muon: :meth:`GTPMuon.state_bytes`)."""
+        if isinstance(self.optimizer, GTPMuon):
+            return self.optimizer.state_bytes()
+        return super().optimizer_state_bytes()
 
     def state_dict(self) -> dict[str, Any]:
         """:meth:`lowband.parallel.gtp_state.GTPStateLayout.state_dict`: every GTP shard (and its AdamW

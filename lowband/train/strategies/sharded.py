@@ -26,9 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from lowband.comm import Comm
 from lowband.optim import ShardedOptimizer
 from lowband.optim.sharded_state import ShardedStateLayout
 from lowband.optim.sparse_rows import sparse_tables_from_plan
+from lowband.parallel.mesh import ParallelMesh
 from lowband.plan import muon_split
 from lowband.train.optimizers import adamw_param_groups
 from lowband.train.strategies import register_strategy
@@ -39,19 +41,40 @@ _WIRE = {"float32": None, "bfloat16": torch.bfloat16}
 
 
 class _ShardedBase(Strategy):
+    config_sections = ("strategy", "sharded", "sparse")
     optimizer: ShardedOptimizer
 
     def _groups(self, model: nn.Module) -> list[dict]:
         raise NotImplementedError
 
+    param_gather: str = "forward"
+    """When the updated slices' all-gathers are waited for: ``"forward"`` (by the next forward, per bucket)
+    or ``"step"`` (at the end of ``step()``; set by DiLoCo before :meth:`setup_on_mesh`, whose step
+    post-hook reads the updated, gathered weights)."""
+
     def setup(self, model: nn.Module) -> None:
+        """The sharded optimizer over the world ``Comm``."""
+        self._setup(model, self.env.comm)
+
+    def setup_on_mesh(self, model: nn.Module, mesh: ParallelMesh) -> None:
+        """The sharded optimizer over ``mesh.dp`` (e.g. the ranks of one DiLoCo replica): gradients are
+        reduce-scattered and updated slices all-gathered over that group only; its ``init_sync`` broadcasts
+        the weights from the group's first rank. ``mesh.gtp`` and ``mesh.tp`` must have size 1; replicas
+        are made equal by the caller (DiLoCo's ``init_sync`` over ``mesh.replica``)."""
+        if mesh.gtp.size != 1 or mesh.tp.size != 1:
+            raise ValueError(f"strategy {self.name}: the mesh has gtp = {mesh.gtp.size}, tp = {mesh.tp.size}; "
+                             "the sharded optimizer shards over the dp axis only (both must be 1)")
+        self.mesh = mesh
+        self._setup(model, mesh.dp)
+
+    def _setup(self, model: nn.Module, comm: Comm) -> None:
         self.model = model
         o, s, sp = self.cfg.optim, self.cfg.strategy, self.cfg.sparse
         self.optimizer = ShardedOptimizer(
             self._groups(model), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
-            momentum=o.muon_momentum, comm=self.env.comm, bucket_mb=s.bucket_mb,
+            momentum=o.muon_momentum, comm=comm, bucket_mb=s.bucket_mb,
             grad_wire_dtype=_WIRE[s.grad_wire_dtype], param_wire_dtype=_WIRE[self.cfg.sharded.param_wire_dtype],
-            module=model, param_gather="forward",
+            module=model, param_gather=self.param_gather,
             sparse_tables=sparse_tables_from_plan(model, list(sp.tables), plan=self.model_plan(model),
                                                   where="sparse.tables"),
             sparse_mode=sp.mode)

@@ -11,6 +11,7 @@ from lowband.train.strategies.base import Strategy
 
 @register_strategy("single")
 class SingleStrategy(Strategy):
+    config_sections = ()
     max_world_size = 1
 
     def setup(self, model: nn.Module) -> None:

@@ -54,6 +54,7 @@ def _is_tp(p: torch.Tensor) -> bool:
 class TPStrategy(Strategy):
     """Tensor parallelism (+ data parallelism across TP groups) with TP-REKLS or AdamW."""
 
+    config_sections = ("tp",)
     needs_parallel_linears = True
 
     @classmethod

@@ -1,0 +1,220 @@
+"""The final model of a run, written once, plain and unsharded, to the run directory.
+
+:func:`export_model` runs at the end of ``train`` when ``run.export`` is true and a run directory is
+written; it produces ``<run dir>/model.safetensors`` and ``model.json`` in the format
+:mod:`lowband.model.trained` documents (and :func:`lowband.load_trained` reads). Which copy is written:
+
+* ``single``, ``ddp``, ``sharded-adamw`` / ``sharded-muon``: every rank holds the full model
+  (``strategy.unwrapped()``; the sharded optimizers first wait for their in-flight parameter
+  all-gathers); rank 0's is written as it is, without a copy. No communication.
+* ``gtp``, ``tp`` (any model with GTP or tensor-parallel layers): :func:`lowband.parallel.unsharded_copy`
+  gathers the full logical weights into a plain copy on every rank (collective over the GTP / TP
+  groups, tags ``gtp:state`` / ``tp:state``, see :mod:`lowband.parallel.unshard`).
+* ``diloco``: the **average of the replicas' live models**, ``global + mean_r(local_r - global)`` per
+  fragment, i.e. what an outer step with plain averaging would make of the current local work. It is
+  symmetric in the replicas, equals every replica's model when they agree (one replica, or just after
+  every fragment was synced with ``diloco.alpha = 0``) and costs one all-reduce of the model over the
+  replica group (fp32, fp64 for fp64 models; tag ``export``): the bytes of one fp32 sync of every
+  fragment, once per run. A fragment's pseudo-gradient still in flight is waited for first (so the
+  export's collective is issued in the same order on every rank) and is not applied. With GTP inside
+  the replicas (``diloco.inner = "gtp"``) each rank first gathers its replica's full weights as above,
+  then the gathered copies are averaged.
+
+Collectives happen on every rank alike, in the same order; only rank 0 writes, to temporary names
+renamed into place, so a crash never leaves a half-written ``model.safetensors`` (nor new weights
+beside an old ``model.json``). Rank 0's outcome is then shared on ``env.metrics_comm`` (one
+``all_gather_object`` of its error text, "" if none, on that Comm's own ledger), so a failed write
+raises the same :class:`ExportError` on every rank.
+Tied parameters are stored once (:func:`file_tensors`; see :mod:`lowband.model.trained`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from lowband.model.trained import FORMAT, META_FILE, WEIGHTS_FILE
+
+if TYPE_CHECKING:
+    from lowband.train.config import Config
+    from lowband.train.env import DistEnv
+    from lowband.train.models import ModelFactory
+    from lowband.train.strategies.base import Strategy
+
+__all__ = ["ExportError", "export_model", "file_tensors", "model_meta", "plain_model"]
+
+
+class ExportError(RuntimeError):
+    """Writing the final model failed (on rank 0); raised on every rank alike."""
+
+
+def _is_sharded(model: nn.Module) -> bool:
+    """True if ``model`` holds GTP or tensor-parallel layers (its weights are shards); local, same on every rank."""
+    from lowband.parallel import ColumnParallelLinear, GTPEmbedding, GTPLinear, RowParallelLinear, TPInputGather
+    from lowband.parallel.gtp_tp import GTPColumnParallelLinear, GTPRowParallelLinear
+
+    kinds = (ColumnParallelLinear, RowParallelLinear, GTPLinear, GTPEmbedding, GTPColumnParallelLinear,
+             GTPRowParallelLinear, TPInputGather)
+    return any(isinstance(m, kinds) for m in model.modules())
+
+
+@torch.no_grad()
+def _average_over(comm: Any, model: nn.Module) -> None:
+    """Average every floating-point parameter and buffer of ``model`` over ``comm``, in place: one flat
+    all-reduce (avg, tag ``export``) in fp64 if any tensor is fp64, else fp32; tied tensors once."""
+    seen: set[int] = set()
+    tensors: list[torch.Tensor] = []
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.is_floating_point() and id(t) not in seen:
+            seen.add(id(t))
+            tensors.append(t)
+    if not tensors or comm.size == 1:
+        return
+    acc = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    flat = torch.cat([t.detach().reshape(-1).to(acc) for t in tensors])
+    comm.all_reduce(flat, "avg", tag="export")
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def plain_model(strategy: Strategy) -> tuple[nn.Module, str]:
+    """The model to export and a one-line description of which copy it is (collective; see module docstring).
+
+    Returns ``(module, source)``; ``module`` is the live model when no gather or averaging was needed
+    (do not modify it), else a plain copy.
+    """
+    from lowband.train.strategies.diloco import DilocoStrategy
+
+    live = strategy.unwrapped()
+    model, source = live, f"the model every rank holds ({strategy.name})"
+    if _is_sharded(live):
+        from lowband.parallel import unsharded_copy
+
+        model, source = unsharded_copy(live), f"the gathered full weights ({strategy.name})"
+    if isinstance(strategy, DilocoStrategy):
+        diloco = strategy.diloco
+        diloco.wait_inflight()  # same order on every rank before the export's collective on the same group
+        if diloco.comm.size > 1:
+            if model is live:
+                model = copy.deepcopy(live)
+            _average_over(diloco.comm, model)
+            source = f"the average of the {diloco.comm.size} replicas' models (diloco)"
+        else:
+            source = "the model of the only replica (diloco)"
+    return model, source
+
+
+def _factory_spec(cfg: Config, model_factory: ModelFactory | None) -> tuple[str | None, str]:
+    """``(importable "module:function" or None, a readable name)`` of the factory that built the model."""
+    if model_factory is None:
+        return (cfg.model.factory or None), (cfg.model.factory or "lowband.model.GPT")
+    mod, qual = getattr(model_factory, "__module__", None), getattr(model_factory, "__qualname__", None)
+    name = f"{mod}:{qual}" if mod and qual else repr(model_factory)
+    importable = bool(mod and qual) and "<" not in qual and mod != "__main__"
+    return (name if importable else None), name
+
+
+def model_meta(model: nn.Module, cfg: Config, *, strategy: Strategy, world_size: int, step: int, source: str,
+               model_factory: ModelFactory | None = None) -> dict[str, Any]:
+    """The ``model.json`` contents for ``model`` (the format of :mod:`lowband.model.trained`)."""
+    from lowband.model.gpt import GPT
+
+    spec, name = _factory_spec(cfg, model_factory)
+    is_gpt = type(model) is GPT
+    plan = getattr(strategy, "plan", None)
+    vocab = getattr(plan, "vocab_size", None) or cfg.model.vocab_size
+    meta: dict[str, Any] = {
+        "format": FORMAT, "weights": WEIGHTS_FILE, "builder": "gpt" if is_gpt else "factory",
+        "gpt": model.config.to_dict() if is_gpt else None, "factory": spec, "config": cfg.to_dict(),
+        "dtype": cfg.run.dtype, "tokenizer": "bytes", "vocab_size": int(vocab),
+        "seq_len": int(model.config.seq_len if is_gpt else cfg.model.seq_len), "forward": strategy.forward,
+        "strategy": strategy.name, "world_size": world_size, "step": step, "source": source,
+    }
+    if not is_gpt and spec is None:
+        meta["factory_repr"] = name
+    return meta
+
+
+def file_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``model.state_dict()`` as safetensors can store it: ``(tensors, metadata)``.
+
+    Tied entries (the same storage, offset, shape and strides under several names) are stored once,
+    under the alphabetically first name, and the metadata maps each dropped name to the kept one (the
+    convention of ``safetensors.torch.save_model``, so ``load_model`` restores the tie). A tensor that
+    is a view into a larger buffer (the sharded optimizers keep parameters in flat buffers) is copied
+    out, as is any other entry sharing a storage already stored (safetensors refuses both); others are
+    stored as they are, without a copy.
+    """
+    groups: dict[tuple, list[str]] = {}
+    state = model.state_dict()
+    for name, t in state.items():
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        groups.setdefault(key, []).append(name)
+    tensors: dict[str, torch.Tensor] = {}
+    metadata = {"format": "pt", "lowband": FORMAT}
+    stored: set[tuple] = set()
+    for (device, ptr, *_), names in groups.items():
+        keep, *dropped = sorted(names)
+        t = state[keep].detach()
+        whole = t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        own = whole and (device, ptr) not in stored  # else another entry views the same storage: copy
+        tensors[keep] = t.contiguous() if own else t.clone(memory_format=torch.contiguous_format)
+        stored.add((device, ptr))
+        metadata.update({d: keep for d in dropped})
+    return tensors, metadata
+
+
+def _write(model: nn.Module, meta: dict[str, Any], run_dir: Path) -> Path:
+    """Write both files under temporary names, then move them into place: an older ``model.json`` is removed
+    first and the new one comes last, so a crash in between never pairs new weights with an old description."""
+    from safetensors.torch import save_file
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    weights, meta_path = run_dir / WEIGHTS_FILE, run_dir / META_FILE
+    tmp_w, tmp_m = weights.with_name(weights.name + ".tmp"), meta_path.with_name(meta_path.name + ".tmp")
+    try:
+        tensors, metadata = file_tensors(model)
+        save_file(tensors, str(tmp_w), metadata=metadata)
+        tmp_m.write_text(json.dumps(meta, indent=1) + "\n")
+        tmp_w.chmod(tmp_m.stat().st_mode & 0o777)  # safetensors creates its file 0600; give it model.json's mode
+        meta_path.unlink(missing_ok=True)
+        os.replace(tmp_w, weights)
+        os.replace(tmp_m, meta_path)
+    finally:
+        tmp_w.unlink(missing_ok=True)
+        tmp_m.unlink(missing_ok=True)
+    return weights
+
+
+def export_model(strategy: Strategy, cfg: Config, env: DistEnv, run_dir: Path, *, step: int,
+                 model_factory: ModelFactory | None = None) -> Path | None:
+    """Write the run's final model to ``run_dir`` (rank 0); collective, call on every rank alike.
+
+    Returns the path of ``model.safetensors`` on rank 0 and ``None`` on the others.
+
+    Raises:
+        ExportError: rank 0 could not write the files (on every rank, after rank 0's attempt).
+    """
+    model, source = plain_model(strategy)
+    error = ""
+    path: Path | None = None
+    if env.is_main:
+        meta = model_meta(model, cfg, strategy=strategy, world_size=env.world_size, step=step, source=source,
+                          model_factory=model_factory)
+        try:
+            path = _write(model, meta, run_dir)
+        except (OSError, ValueError, RuntimeError) as e:
+            error = f"{type(e).__name__}: {e}"
+    error = env.metrics_comm.all_gather_object(error, tag="export")[0]  # rank 0's verdict, on every rank
+    if error:
+        raise ExportError(f"writing the final model to {str(run_dir)!r} failed on rank 0 ({error}); "
+                          "set run.export = false to skip it")
+    return path
