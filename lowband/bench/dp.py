@@ -32,6 +32,7 @@ import torch
 from lowband.bench.harness import add_ratios, add_state_ratios, max_over_ranks, result_row, timed_alternating
 from lowband.train.config import Config
 from lowband.train.env import DistEnv
+from lowband.train.strategies.base import Strategy
 from lowband.train.trainer import build_model
 
 
@@ -104,6 +105,30 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
+def strategy_step(strategy: Strategy, cfg: Config) -> Callable[[torch.Tensor, torch.Tensor], float]:
+    """``step(x, y) -> local loss``: the trainer's own step on one microbatch (observe the batch for
+    sparse tables, forward/backward under ``microbatch(last=True)``, clip, optimizer step); every suite's
+    strategy contenders use it."""
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        strategy.observe_batch(x)
+        with strategy.microbatch(last=True):
+            loss = strategy.model(x, y)
+            loss.backward()
+        strategy.clip_grad_norm(cfg.optim.grad_clip)
+        strategy.optimizer_step()
+        return float(loss.detach())
+
+    return step
+
+
+def strategy_resident_bytes(strategy: Strategy) -> int:
+    """Parameters + gradients + optimizer state + persistent comm buffers of a strategy on this rank."""
+    params = list(strategy.unwrapped().parameters())
+    extra = getattr(strategy, "persistent_buffer_bytes", lambda: 0)()
+    return tensor_bytes(params) + tensor_bytes(p.grad for p in params) + strategy.optimizer_state_bytes() + extra
+
+
 class StrategyContender:
     """Wrap a trainer strategy (``lowband.train.strategies``) as a contender."""
 
@@ -125,24 +150,10 @@ class StrategyContender:
                 setattr(getattr(cfg, section), k, v)
         strategy = get_strategy_class(self.strategy_name)(cfg, env)
         strategy.setup(build_model(cfg, env.device))
-
-        def step(i: int) -> float:
-            x, y = batches.get(i)
-            with strategy.microbatch(last=True):
-                loss = strategy.model(x, y)
-                loss.backward()
-            strategy.clip_grad_norm(cfg.optim.grad_clip)
-            strategy.optimizer_step()
-            return float(loss.detach())
-
-        def resident() -> int:
-            params = list(strategy.unwrapped().parameters())
-            extra = getattr(strategy, "persistent_buffer_bytes", lambda: 0)()
-            return (tensor_bytes(params) + tensor_bytes(p.grad for p in params)
-                    + strategy.optimizer_state_bytes() + extra)
-
+        train = strategy_step(strategy, cfg)
         wire = getattr(strategy, "wire_bytes_per_step", None)
-        return Contender(self.label, step, strategy.optimizer_state_bytes, resident, wire)
+        return Contender(self.label, lambda i: train(*batches.get(i)), strategy.optimizer_state_bytes,
+                         lambda: strategy_resident_bytes(strategy), wire)
 
 
 def _lazy(module: str, factory: str) -> Callable[[Config, DistEnv, Batches], Contender]:

@@ -49,21 +49,45 @@ from lowband.train.optimizers import adamw_param_groups
 from lowband.train.trainer import build_model
 
 
-def _train_step(forward: nn.Module, model: nn.Module, opt: torch.optim.Optimizer, cfg: Config,
-                batches: Batches) -> Callable[[int], float]:
-    """One training step of a torch-native contender: forward/backward, global-norm clip, step."""
+def torch_step(forward: nn.Module, model: nn.Module, cfg: Config, optimizers: list[torch.optim.Optimizer],
+               update: Callable[[], None] | None = None) -> Callable[[torch.Tensor, torch.Tensor], float]:
+    """``step(x, y) -> local loss`` of a torch-native contender (every suite's): forward/backward,
+    global-norm clip, ``update()`` (default: ``step()`` of every optimizer), zero the gradients."""
 
-    def step(i: int) -> float:
-        x, y = batches.get(i)
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
         loss = forward(x, y)
         loss.backward()
         if cfg.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, foreach=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if update is not None:
+            update()
+        else:
+            for opt in optimizers:
+                opt.step()
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
     return step
+
+
+def _train_step(forward: nn.Module, model: nn.Module, opt: torch.optim.Optimizer, cfg: Config,
+                batches: Batches) -> Callable[[int], float]:
+    """:func:`torch_step` over the dp suite's batches (``step(i)``)."""
+    train = torch_step(forward, model, cfg, [opt])
+    return lambda i: train(*batches.get(i))
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2 parameters, gradients, optimizer state); any other tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def resident_bytes(model: nn.Module, state_bytes: int) -> int:
+    """Local parameter + gradient bytes of ``model`` (DTensors: their shards) plus ``state_bytes``."""
+    params = list(model.parameters())
+    return (tensor_bytes(local_tensor(p) for p in params)
+            + tensor_bytes(local_tensor(p.grad) for p in params if p.grad is not None) + state_bytes)
 
 
 def _adamw_kwargs(cfg: Config) -> dict:
@@ -88,9 +112,9 @@ def build_zero(cfg: Config, env: DistEnv) -> tuple[nn.Module, nn.Module, torch.o
     return ddp, model, opt
 
 
-def build_fsdp2(cfg: Config, env: DistEnv) -> tuple[nn.Module, torch.optim.Optimizer, int]:
-    """(model under FSDP2 ``fully_shard`` per block then the root, ``reshard_after_forward=False``; AdamW;
-    bytes of the dim-0 padded parameters): the ``fsdp2`` contender of every suite."""
+def shard_fsdp2(cfg: Config, env: DistEnv) -> tuple[nn.Module, int]:
+    """(model under FSDP2 ``fully_shard`` per block then the root, ``reshard_after_forward=False``; bytes
+    of the dim-0 padded parameters): the sharding of ``fsdp2`` and ``fsdp2-muon``."""
     from torch.distributed.fsdp import fully_shard
 
     model = build_model(cfg, env.device)
@@ -101,6 +125,12 @@ def build_fsdp2(cfg: Config, env: DistEnv) -> tuple[nn.Module, torch.optim.Optim
     for block in blocks:
         fully_shard(block, reshard_after_forward=False)
     fully_shard(model, reshard_after_forward=False)
+    return model, padded
+
+
+def build_fsdp2(cfg: Config, env: DistEnv) -> tuple[nn.Module, torch.optim.Optimizer, int]:
+    """(:func:`shard_fsdp2`'s model, AdamW over it, its padded bytes): the ``fsdp2`` contender of every suite."""
+    model, padded = shard_fsdp2(cfg, env)
     opt = torch.optim.AdamW(adamw_param_groups(model, cfg.optim.weight_decay), foreach=True, **_adamw_kwargs(cfg))
     return model, opt, padded
 
@@ -115,18 +145,10 @@ def zero_contender(cfg: Config, env: DistEnv, batches: Batches) -> Contender:
     def state_bytes() -> int:
         return sum(tensor_bytes(st.values()) for st in opt.optim.state.values())
 
-    def resident() -> int:
-        params = list(model.parameters())
-        return tensor_bytes(params) + tensor_bytes(p.grad for p in params) + state_bytes()
-
     def wire() -> int:
         return ring_wire_bytes("all_reduce", n, pbytes) + ring_wire_bytes("broadcast", n, pbytes)
 
-    return Contender("zero", step, state_bytes, resident, wire)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+    return Contender("zero", step, state_bytes, lambda: resident_bytes(model, state_bytes()), wire)
 
 
 def fsdp2_contender(cfg: Config, env: DistEnv, batches: Batches) -> Contender:
@@ -136,17 +158,12 @@ def fsdp2_contender(cfg: Config, env: DistEnv, batches: Batches) -> Contender:
     step = _train_step(model, model, opt, cfg, batches)
 
     def state_bytes() -> int:
-        return sum(tensor_bytes(_local(v) for v in st.values()) for st in opt.state.values())
-
-    def resident() -> int:
-        params = list(model.parameters())
-        return (tensor_bytes(_local(p) for p in params) + tensor_bytes(_local(p.grad) for p in params
-                                                                       if p.grad is not None) + state_bytes())
+        return sum(tensor_bytes(local_tensor(v) for v in st.values()) for st in opt.state.values())
 
     def wire() -> int:
         return fsdp2_wire_bytes(cfg, n, padded)
 
-    return Contender("fsdp2", step, state_bytes, resident, wire)
+    return Contender("fsdp2", step, state_bytes, lambda: resident_bytes(model, state_bytes()), wire)
 
 
 def fsdp2_reduce_op() -> str:
@@ -167,8 +184,9 @@ def fsdp2_wire_bytes(cfg: Config, n: int, padded: int) -> int:
 def _muon_step(m_opt: torch.optim.Optimizer, a_opt: torch.optim.Optimizer, forward: nn.Module,
                model: nn.Module, cfg: Config, batches: Batches, dtype: torch.dtype,
                on_first: Callable[[Callable[[], None]], None] | None = None) -> Callable[[int], float]:
-    """Training step of a torch Muon contender: forward/backward, global-norm clip, Muon + AdamW step.
-    ``on_first(run_optimizers)`` runs the first step's optimizer update (to count its collectives)."""
+    """:func:`torch_step` of a torch Muon contender over the dp suite's batches: the update is the Muon
+    step (Newton-Schulz in ``dtype``) then the AdamW step. ``on_first(run_optimizers)`` runs the first
+    step's optimizer update (to count its collectives)."""
     first = [True]
 
     def run_optimizers() -> None:
@@ -176,27 +194,20 @@ def _muon_step(m_opt: torch.optim.Optimizer, a_opt: torch.optim.Optimizer, forwa
             m_opt.step()
         a_opt.step()
 
-    def step(i: int) -> float:
-        x, y = batches.get(i)
-        loss = forward(x, y)
-        loss.backward()
-        if cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, foreach=True)
+    def update() -> None:
         if first[0] and on_first is not None:
             on_first(run_optimizers)
         else:
             run_optimizers()
         first[0] = False
-        m_opt.zero_grad(set_to_none=True)
-        a_opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
 
-    return step
+    train = torch_step(forward, model, cfg, [m_opt, a_opt], update)
+    return lambda i: train(*batches.get(i))
 
 
 def _state_bytes(*opts: torch.optim.Optimizer) -> int:
     """Local bytes of every state tensor with at least one dimension (DTensor: the local shard)."""
-    return sum(tensor_bytes(_local(v) for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return sum(tensor_bytes(local_tensor(v) for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
                for o in opts for st in o.state.values())
 
 
@@ -211,26 +222,16 @@ def ddp_muon_contender(cfg: Config, env: DistEnv, batches: Batches) -> Contender
     step = _muon_step(m_opt, a_opt, forward, model, cfg, batches, muon_ns_dtype(cfg.optim.muon_ns_dtype,
                                                                                 env.device))
 
-    def resident() -> int:
-        params = list(model.parameters())
-        return tensor_bytes(params) + tensor_bytes(p.grad for p in params) + _state_bytes(m_opt, a_opt)
-
-    return Contender("ddp-muon", step, lambda: _state_bytes(m_opt, a_opt), resident, None)
+    return Contender("ddp-muon", step, lambda: _state_bytes(m_opt, a_opt),
+                     lambda: resident_bytes(model, _state_bytes(m_opt, a_opt)), None)
 
 
 def fsdp2_muon_contender(cfg: Config, env: DistEnv, batches: Batches) -> Contender:
     """``fsdp2-muon``: ``fsdp2``'s sharding with ``torch.optim.Muon`` on the DTensor shards + AdamW."""
-    from torch.distributed.fsdp import fully_shard
-
     from lowband.train.strategies.sharded import muon_ns_dtype
 
-    model = build_model(cfg, env.device)
+    model, padded = shard_fsdp2(cfg, env)
     n = env.world_size
-    padded = sum(math.ceil(p.shape[0] / n) * n * (p.numel() // p.shape[0]) * p.element_size()
-                 for p in model.parameters())
-    for block in model.blocks:
-        fully_shard(block, reshard_after_forward=False)
-    fully_shard(model, reshard_after_forward=False)
     m_opt, a_opt = torch_muon_optimizers(model, cfg.optim)
     counted: dict[str, int] = {}
 
@@ -244,16 +245,11 @@ def fsdp2_muon_contender(cfg: Config, env: DistEnv, batches: Batches) -> Contend
     step = _muon_step(m_opt, a_opt, model, model, cfg, batches,
                       muon_ns_dtype(cfg.optim.muon_ns_dtype, env.device), on_first=count)
 
-    def resident() -> int:
-        params = list(model.parameters())
-        return (tensor_bytes(_local(p) for p in params) + tensor_bytes(_local(p.grad) for p in params
-                                                                       if p.grad is not None)
-                + _state_bytes(m_opt, a_opt))
-
     def wire() -> int:
         return fsdp2_wire_bytes(cfg, n, padded) + counted.get("wire", 0)
 
-    c = Contender("fsdp2-muon", step, lambda: _state_bytes(m_opt, a_opt), resident, wire)
+    c = Contender("fsdp2-muon", step, lambda: _state_bytes(m_opt, a_opt),
+                  lambda: resident_bytes(model, _state_bytes(m_opt, a_opt)), wire)
     c.extra = lambda: {"muon_step_collectives": {k[5:]: v for k, v in counted.items() if k.startswith("muon_")},
                        "muon_step_wire_bytes": counted.get("wire", 0)}
     return c

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lowband.bench.dp_torch import build_fsdp2, build_zero
+from lowband.bench.dp import strategy_resident_bytes, strategy_step, tensor_bytes
+from lowband.bench.dp_torch import build_fsdp2, build_zero, fsdp2_wire_bytes, local_tensor, resident_bytes, torch_step
 from lowband.comm import ring_wire_bytes
 from lowband.train.config import Config
 from lowband.train.env import DistEnv
@@ -116,10 +117,6 @@ class LinkSpec:
         return strategy_trainee(cfg, env)
 
 
-def tensor_bytes(tensors: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-
-
 def strategy_trainee(cfg: Config, env: DistEnv) -> Trainee:
     """A trainer strategy as a :class:`Trainee`: the trainer's own step (observe_batch, microbatch,
     clip, optimizer step), one microbatch per step."""
@@ -129,35 +126,8 @@ def strategy_trainee(cfg: Config, env: DistEnv) -> Trainee:
     cls.validate_config(cfg, env.world_size)
     strategy = cls(cfg, env)
     strategy.setup(build_model(cfg, env.device))
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> float:
-        strategy.observe_batch(x)
-        with strategy.microbatch(last=True):
-            loss = strategy.model(x, y)
-            loss.backward()
-        strategy.clip_grad_norm(cfg.optim.grad_clip)
-        strategy.optimizer_step()
-        return float(loss.detach())
-
-    def resident() -> int:
-        params = list(strategy.unwrapped().parameters())
-        extra = getattr(strategy, "persistent_buffer_bytes", lambda: 0)()
-        return tensor_bytes(params) + tensor_bytes(p.grad for p in params) + strategy.optimizer_state_bytes() + extra
-
-    return Trainee(step, strategy.unwrapped, strategy.optimizer_state_bytes, resident)
-
-
-def _torch_step(forward: nn.Module, model: nn.Module, opt: torch.optim.Optimizer,
-                cfg: Config) -> Callable[[torch.Tensor, torch.Tensor], float]:
-    def step(x: torch.Tensor, y: torch.Tensor) -> float:
-        loss = forward(x, y)
-        loss.backward()
-        if cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, foreach=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
-    return step
+    return Trainee(strategy_step(strategy, cfg), strategy.unwrapped, strategy.optimizer_state_bytes,
+                   lambda: strategy_resident_bytes(strategy))
 
 
 def zero_trainee(cfg: Config, env: DistEnv) -> Trainee:
@@ -170,16 +140,9 @@ def zero_trainee(cfg: Config, env: DistEnv) -> Trainee:
     def state() -> int:
         return sum(tensor_bytes(st.values()) for st in opt.optim.state.values())
 
-    def resident() -> int:
-        params = list(model.parameters())
-        return tensor_bytes(params) + tensor_bytes(p.grad for p in params) + state()
-
     wire = ring_wire_bytes("all_reduce", n, pbytes) + ring_wire_bytes("broadcast", n, pbytes)
-    return Trainee(_torch_step(ddp, model, opt, cfg), lambda: model, state, resident, wire)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+    return Trainee(torch_step(ddp, model, cfg, [opt]), lambda: model, state,
+                   lambda: resident_bytes(model, state()), wire)
 
 
 def fsdp2_trainee(cfg: Config, env: DistEnv) -> Trainee:
@@ -193,19 +156,11 @@ def fsdp2_trainee(cfg: Config, env: DistEnv) -> Trainee:
     n = env.world_size
 
     def state() -> int:
-        return sum(tensor_bytes(_local(v) for v in st.values()) for st in opt.state.values())
-
-    def resident() -> int:
-        params = list(model.parameters())
-        return (tensor_bytes(_local(p) for p in params)
-                + tensor_bytes(_local(p.grad) for p in params if p.grad is not None) + state())
+        return sum(tensor_bytes(local_tensor(v) for v in st.values()) for st in opt.state.values())
 
     gather = ring_wire_bytes("all_gather", n, padded)
-    rs_op = "all_reduce" if env.device.type == "cpu" else "reduce_scatter"  # gloo emulates RS by AR
-    scatter = ring_wire_bytes(rs_op, n, padded)
-    norm = ring_wire_bytes("all_reduce", n, 4) if cfg.optim.grad_clip > 0 else 0
-    return Trainee(_torch_step(model, model, opt, cfg), lambda: model, state, resident, gather + scatter + norm,
-                   once_wire_bytes=gather)
+    return Trainee(torch_step(model, model, cfg, [opt]), lambda: model, state, lambda: resident_bytes(model, state()),
+                   fsdp2_wire_bytes(cfg, n, padded), once_wire_bytes=gather)
 
 
 def _diloco_overrides(wire: str) -> Callable[[LinkTopo], Overrides]:
