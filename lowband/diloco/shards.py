@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from lowband.parallel.gtp import GTPWeight, is_gtp_param
+from lowband.parallel.gtp_state import gather_logical, shard_of_logical
 
 
 class GTPShardLayout:
@@ -33,27 +34,12 @@ class GTPShardLayout:
     def to_logical(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """The whole (unpadded) tensor of which ``local`` is this rank's shard (collective over the GTP group)."""
         gw = self.weights.get(name)
-        if gw is None:
-            return local
-        shard = local.detach().reshape(gw.shard_rows, gw.in_features).contiguous()
-        out = torch.empty(gw.padded_out, gw.in_features, dtype=shard.dtype, device=shard.device)
-        gw.runtime.comm.all_gather(out, shard, tag="diloco:state")
-        return out[:gw.out_features].clone()
+        return local if gw is None else gather_logical(gw, local, tag="diloco:state")
 
     def to_local(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's padded row shard of the logical ``full`` (``ValueError`` on a wrong shape)."""
         gw = self.weights.get(name)
-        if gw is None:
-            return full
-        if tuple(full.shape) != (gw.out_features, gw.in_features):
-            raise ValueError(f"diloco checkpoint: {name} has shape {tuple(full.shape)}, expected the logical "
-                             f"({gw.out_features}, {gw.in_features})")
-        shard = torch.zeros(gw.shard_rows, gw.in_features, dtype=full.dtype, device=full.device)
-        lo = gw.runtime.rank * gw.shard_rows
-        hi = min(lo + gw.shard_rows, gw.out_features)
-        if hi > lo:
-            shard[:hi - lo].copy_(full[lo:hi])
-        return shard
+        return full if gw is None else shard_of_logical(gw, full, f"diloco checkpoint: {name}")
 
     def logical_numel(self, name: str, local: torch.Tensor) -> int:
         gw = self.weights.get(name)

@@ -59,10 +59,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lowband.optim.sharded_state import group_hyperparams
+
 if TYPE_CHECKING:
     from lowband.diloco.streaming import StreamingDiLoCo
-
-_GROUP_TYPES = (int, float, str, bool, tuple, type(None), torch.dtype)
 
 
 # ------------------------------------------------------------------------------ per-replica rows
@@ -345,10 +345,7 @@ class DilocoCheckpoint:
             for p in g["params"]:
                 for k, v in self._inner_state(p).items():
                     optim[f"state.{self.names[id(p)]}.{k}"] = self._row(v)
-        for gi, g in enumerate(self.optimizer.param_groups):
-            for k, v in g.items():
-                if k != "params" and isinstance(v, _GROUP_TYPES):
-                    optim[f"param_groups.{gi}.{k}"] = v
+        optim.update(group_hyperparams(self.optimizer.param_groups))
         return {"model": model, "optim": optim, "diloco": diloco}
 
     @torch.no_grad()

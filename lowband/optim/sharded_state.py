@@ -44,6 +44,14 @@ if TYPE_CHECKING:
 _GROUP_TYPES = (int, float, str, bool, tuple, type(None), torch.dtype)
 
 
+def group_hyperparams(param_groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """``{"param_groups.<g>.<key>": value}`` for every plain hyper-parameter (number, string, bool, tuple,
+    None, dtype) of every param group: the flat, rank-independent keys under which each lowband state
+    layout saves an optimizer's hyper-parameters (``lr`` included, so a resumed LR schedule continues)."""
+    return {f"param_groups.{gi}.{k}": v for gi, g in enumerate(param_groups) for k, v in g.items()
+            if k != "params" and isinstance(v, _GROUP_TYPES)}
+
+
 def _chunk_bounds(rows: int, world: int, rank: int) -> tuple[int, int]:
     """Rows ``[lo, hi)`` of ``torch.chunk(full, world, dim=0)[rank]`` (empty past the last chunk)."""
     c = -(-rows // world) if rows else 0
@@ -157,10 +165,7 @@ class ShardedStateLayout:
         for idx, st in osd["state"].items():
             for k, v in st.items():
                 optim[f"state.{self.names[idx]}.{k}"] = v
-        for gi, g in enumerate(osd["param_groups"]):
-            for k, v in g.items():
-                if k != "params" and isinstance(v, _GROUP_TYPES):
-                    optim[f"param_groups.{gi}.{k}"] = v
+        optim.update(group_hyperparams(osd["param_groups"]))
         return {"model": model, "optim": optim}
 
     @torch.no_grad()

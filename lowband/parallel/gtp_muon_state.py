@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from lowband.optim.gtp_muon import GTPMuon
-from lowband.parallel.gtp_state import GTPStateLayout
+from lowband.parallel.gtp_state import GTPStateLayout, gather_logical, shard_of_logical
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -60,7 +60,7 @@ class GTPMuonStateLayout:
             if g["algorithm"] == "adamw":
                 optim[f"state.{fqn}.step"] = st["step"].clone()
                 for k in _MOMENTS:
-                    optim[f"state.{fqn}.{k}"] = (GTPStateLayout._gather(gw, st[k]) if gw is not None
+                    optim[f"state.{fqn}.{k}"] = (gather_logical(gw, st[k]) if gw is not None
                                                  else st[k].detach().clone())
             elif opt.is_gtp_muon(p):
                 owner = opt.owner(p)
@@ -107,7 +107,7 @@ class GTPMuonStateLayout:
                 for k in _MOMENTS:
                     key = f"state.{fqn}.{k}"
                     v = expect(key, get(key), logical)
-                    st[k].copy_(GTPStateLayout._slice(gw, v, f"optim.{key}") if gw is not None else v)
+                    st[k].copy_(shard_of_logical(gw, v, f"GTP checkpoint: optim.{key}") if gw is not None else v)
             else:
                 key = f"state.{fqn}.momentum_buffer"
                 v = expect(key, get(key), logical)

@@ -38,6 +38,31 @@ from torch import nn
 from lowband.parallel.gtp import GTPWeight, is_gtp_param
 
 
+def gather_logical(gw: GTPWeight, shard: torch.Tensor, *, tag: str = "gtp:state") -> torch.Tensor:
+    """The whole, unpadded ``[out_features, in_features]`` tensor of which ``shard`` is this rank's padded
+    row shard of ``gw`` (one all-gather over the weight's GTP group, ``tag``; collective)."""
+    out = torch.empty(gw.padded_out, gw.in_features, dtype=shard.dtype, device=shard.device)
+    gw.runtime.comm.all_gather(out, shard.detach().reshape(gw.shard_rows, gw.in_features).contiguous(), tag=tag)
+    return out[: gw.out_features].clone()
+
+
+def shard_of_logical(gw: GTPWeight, full: torch.Tensor, what: str) -> torch.Tensor:
+    """This rank's padded row shard of the logical ``full`` (pad rows zero; no communication).
+
+    Raises:
+        ValueError: ``full`` is not ``[out_features, in_features]``; the message starts with ``what``.
+    """
+    if tuple(full.shape) != (gw.out_features, gw.in_features):
+        raise ValueError(f"{what} has shape {tuple(full.shape)}, expected the logical "
+                         f"({gw.out_features}, {gw.in_features})")
+    shard = torch.zeros(gw.shard_rows, gw.in_features, dtype=full.dtype, device=full.device)
+    lo = gw.runtime.rank * gw.shard_rows
+    hi = min(lo + gw.shard_rows, gw.out_features)
+    if hi > lo:
+        shard[: hi - lo].copy_(full[lo:hi])
+    return shard
+
+
 class GTPStateLayout:
     """Logical (gathered) state of a GTP model and its optimizer (see the module docstring).
 
@@ -68,24 +93,6 @@ class GTPStateLayout:
                 return get_model_state_dict(self.model, options=opts), {}
             return get_state_dict(self.model, self.optimizer, options=opts)
 
-    @staticmethod
-    def _gather(gw: GTPWeight, shard: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(gw.padded_out, gw.in_features, dtype=shard.dtype, device=shard.device)
-        gw.runtime.comm.all_gather(out, shard.detach().contiguous(), tag="gtp:state")
-        return out[: gw.out_features].clone()
-
-    @staticmethod
-    def _slice(gw: GTPWeight, full: torch.Tensor, key: str) -> torch.Tensor:
-        if tuple(full.shape) != (gw.out_features, gw.in_features):
-            raise ValueError(f"GTP checkpoint: {key} has shape {tuple(full.shape)}, expected the logical "
-                             f"({gw.out_features}, {gw.in_features})")
-        shard = torch.zeros(gw.shard_rows, gw.in_features, dtype=full.dtype, device=full.device)
-        lo = gw.runtime.rank * gw.shard_rows
-        hi = min(lo + gw.shard_rows, gw.out_features)
-        if hi > lo:
-            shard[: hi - lo].copy_(full[lo:hi])
-        return shard
-
     def _state_keys(self, optim: dict[str, Any], fqn: str) -> list[str]:
         prefix = f"state.{fqn}."
         return [k for k in optim if k.startswith(prefix)]
@@ -94,7 +101,7 @@ class GTPStateLayout:
         """``{"model": ..., "optim": ...}`` in logical shapes (collective; see the module docstring)."""
         model_sd, optim_sd = self._raw()
         for fqn, gw in self._gtp().items():
-            model_sd[fqn] = self._gather(gw, model_sd[fqn])
+            model_sd[fqn] = gather_logical(gw, model_sd[fqn])
             for key in self._state_keys(optim_sd, fqn):
                 v = optim_sd[key]
                 if not isinstance(v, torch.Tensor) or v.dim() == 0:
@@ -103,7 +110,7 @@ class GTPStateLayout:
                     raise ValueError(f"GTPStateLayout: optimizer state {key} has shape {tuple(v.shape)}, not the "
                                      f"shard's ({gw.shard_rows}, {gw.in_features}); only elementwise optimizer "
                                      "state can be gathered and resharded by rows")
-                optim_sd[key] = self._gather(gw, v)
+                optim_sd[key] = gather_logical(gw, v)
         return {"model": model_sd, "optim": optim_sd}
 
     @torch.no_grad()
@@ -114,11 +121,11 @@ class GTPStateLayout:
         model_sd = dict(state["model"])
         optim_sd = dict(state.get("optim", {}))
         for fqn, gw in self._gtp().items():
-            model_sd[fqn] = self._slice(gw, model_sd[fqn], f"model.{fqn}")
+            model_sd[fqn] = shard_of_logical(gw, model_sd[fqn], f"GTP checkpoint: model.{fqn}")
             for key in self._state_keys(optim_sd, fqn):
                 v = optim_sd[key]
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    optim_sd[key] = self._slice(gw, v, f"optim.{key}")
+                    optim_sd[key] = shard_of_logical(gw, v, f"GTP checkpoint: optim.{key}")
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
         with self._local():
             if self.optimizer is None:

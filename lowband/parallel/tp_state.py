@@ -52,9 +52,8 @@ import torch
 from torch import nn
 
 from lowband.optim.rekls import REKLS, ReklsHyper, init_rekls_state
+from lowband.optim.sharded_state import group_hyperparams
 from lowband.parallel.tensor import permute_sections
-
-_GROUP_TYPES = (int, float, str, bool, tuple, type(None), torch.dtype)
 
 
 def sections_perm(m: int, sections: int, t: int) -> torch.Tensor:
@@ -239,10 +238,7 @@ class TPStateLayout:
             st = self.optimizer.state.get(p) or self._fresh_state(gi, pi, p)
             for k, v in self._state_out(kind, p, full, st).items():
                 optim[f"state.{self.names[id(p)]}.{k}"] = v
-        for gi, g in enumerate(self.optimizer.param_groups):
-            for k, v in g.items():
-                if k != "params" and isinstance(v, _GROUP_TYPES):
-                    optim[f"param_groups.{gi}.{k}"] = v
+        optim.update(group_hyperparams(self.optimizer.param_groups))
         return {"model": model, "optim": optim}
 
     @torch.no_grad()
