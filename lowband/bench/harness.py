@@ -54,29 +54,26 @@ def result_row(name: str, times: list[float], *, wire_bytes: int = 0, optimizer_
     return row
 
 
-def add_ratios(results: list[dict[str, Any]], baselines: dict[str, list[str]]) -> None:
-    """``ratio_vs[b] = this median / b's median`` for each named baseline b of each row."""
+def _add_ratios(results: list[dict[str, Any]], baselines: dict[str, list[str]], value: str, out: str) -> None:
+    """``row[out][b] = row[value] / b's row[value]`` for each named baseline b (present, non-zero) of each row."""
     by_name = {r["name"]: r for r in results}
     for name, bases in baselines.items():
         row = by_name.get(name)
         if row is None:
             continue
         for b in bases:
-            if b in by_name and by_name[b]["step_time_s_median"] > 0:
-                row["ratio_vs"][b] = row["step_time_s_median"] / by_name[b]["step_time_s_median"]
+            if b in by_name and by_name[b][value] > 0:
+                row.setdefault(out, {})[b] = row[value] / by_name[b][value]
+
+
+def add_ratios(results: list[dict[str, Any]], baselines: dict[str, list[str]]) -> None:
+    """``ratio_vs[b] = this median / b's median`` for each named baseline b of each row."""
+    _add_ratios(results, baselines, "step_time_s_median", "ratio_vs")
 
 
 def add_state_ratios(results: list[dict[str, Any]], baselines: dict[str, list[str]]) -> None:
     """``optimizer_state_ratio_vs[b] = this row's optimizer_state_bytes_per_rank / b's`` for each named b."""
-    by_name = {r["name"]: r for r in results}
-    for name, bases in baselines.items():
-        row = by_name.get(name)
-        if row is None:
-            continue
-        for b in bases:
-            if b in by_name and by_name[b]["optimizer_state_bytes_per_rank"] > 0:
-                row.setdefault("optimizer_state_ratio_vs", {})[b] = (
-                    row["optimizer_state_bytes_per_rank"] / by_name[b]["optimizer_state_bytes_per_rank"])
+    _add_ratios(results, baselines, "optimizer_state_bytes_per_rank", "optimizer_state_ratio_vs")
 
 
 def markdown_table(doc: dict[str, Any]) -> str:
