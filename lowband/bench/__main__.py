@@ -7,6 +7,10 @@ contenders side by side, and writes FILE.json (DESIGN.md's shape) and FILE.md (a
 module's docstring); ``python -m lowband.bench SUITE --help`` shows the common options and the suite's
 own options (its ``add_arguments``) with their defaults. Both are one parser per suite: a suite option
 with the name of a common one replaces it for that suite (``link --warmup`` is its LR warm-up).
+
+``--quick`` turns every size knob down (the suite module's ``QUICK`` dict, plus one repeat and no
+warm-up) for the options not given explicitly: the default contenders run in seconds on CPU, as a
+smoke test of the suite's default invocation (tests/unit/test_bench_defaults.py).
 """
 
 from __future__ import annotations
@@ -39,6 +43,20 @@ def _add_common(p: argparse._ActionsContainer) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole run")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: every size knob turned down (the suite's QUICK settings, 1 repeat, no warm-up) "
+                        "unless given explicitly; the same contenders as without it; its numbers mean nothing")
+
+
+COMMON_QUICK = {"repeats": 1, "warmup": 0}
+"""``--quick`` settings of the common options (each suite adds its own ``QUICK`` dict)."""
+
+
+def apply_quick(suite: str, opts: dict, parser: argparse.ArgumentParser) -> dict:
+    """``opts`` with the ``--quick`` settings of ``suite`` for every option left at its default."""
+    mod = importlib.import_module(SUITES[suite])
+    quick = {**COMMON_QUICK, **getattr(mod, "QUICK", {})}  # a suite's own value wins (link's --warmup)
+    return {k: (quick[k] if k in quick and v == parser.get_default(k) else v) for k, v in opts.items()}
 
 
 def top_parser() -> argparse.ArgumentParser:
@@ -85,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         if suite is None or suite not in SUITES:
             top_parser().parse_args(argv)  # prints the help (exit 0) or the error (exit 2)
             return 2
-        opts = vars(suite_parser(suite).parse_args(argv))
+        parser = suite_parser(suite)
+        opts = vars(parser.parse_args(argv))
+        if opts.get("quick"):
+            opts = apply_quick(suite, opts, parser)
     except SystemExit as e:
         return 0 if e.code in (0, None) else int(e.code) if isinstance(e.code, int) else 2
     if opts["world"] < 1 or opts["repeats"] < 1 or opts["warmup"] < 0:

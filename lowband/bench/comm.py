@@ -18,6 +18,9 @@ from lowband.bench.harness import add_ratios, result_row, timed_alternating
 from lowband.comm import Comm, CommLedger, ring_wire_bytes
 from lowband.train.env import DistEnv
 
+QUICK = {"sizes_mib": "0.0625"}
+"""``--quick`` settings (lowband.bench.__main__.apply_quick)."""
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes-mib", default="1,8,32", help="comma-separated buffer sizes in MiB")

@@ -1,6 +1,8 @@
 """``diloco`` suite: Streaming DiLoCo against ``ddp`` after the same tokens: wire bytes vs final loss.
 
-Each contender is one full training run of the trainer (``configs/demo.toml`` unless ``--config``),
+Each contender is one full training run of the trainer (``configs/diloco-bench.toml`` unless ``--config``;
+its strategy is replaced by ddp or diloco, and its ``sparse.tables`` dropped unless ``diloco.inner`` is a
+sharded one: ``--config configs/demo.toml`` runs too),
 same seed, same data (the built-in corpus, each rank its slice of every global batch), same number
 of steps; runs go one after the other (not alternated: each is a whole training run). Contenders:
 ``ddp``, then either every ``--sync-every`` x ``--wires`` pair with the shared outer settings, or the
@@ -40,8 +42,32 @@ from lowband.train.env import DistEnv
 ONE_TIME_TAGS = ("diloco:init", "validate")
 
 
+QUICK = {"steps": 16, "val_batches": 1}
+"""``--quick`` settings (lowband.bench.__main__.apply_quick); ``--quick`` also shrinks the config's model to
+:data:`QUICK_MODEL` and its batch to 2 sequences."""
+QUICK_MODEL = {"n_layer": 1, "n_embd": 32, "n_head": 2, "seq_len": 16, "bigram_rows": 0}
+DEFAULT_CONFIG = "configs/diloco-bench.toml"
+"""The bench's model (2 blocks, 64 wide, ddp; docs/PERFORMANCE.md's diloco section); a relative path is
+looked up in the working directory, then in the lowband checkout."""
+
+
+def resolve_config(path: str) -> Path | None:
+    """The trainer config ``--config`` names: as given, else (a relative path) inside the lowband
+    checkout; ``None`` for the built-in default config only when the default file is absent."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    repo = Path(__file__).resolve().parents[2] / path
+    if not p.is_absolute() and repo.is_file():
+        return repo
+    if path == DEFAULT_CONFIG:
+        return None  # an installed lowband without its configs/: the trainer's defaults
+    raise ValueError(f"diloco bench --config {path!r}: no such file")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default="configs/demo.toml", help="trainer config (the demo model)")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="trainer config (the model, data and optimizer of "
+                   "every run; its strategy is replaced by ddp / diloco)")
     p.add_argument("--steps", type=int, default=300, help="inner (optimizer) steps per run")
     p.add_argument("--sync-every", default="4,8,16", help="H; comma-separated for several DiLoCo runs")
     p.add_argument("--fragments", type=int, default=2)
@@ -80,7 +106,13 @@ def run(env: DistEnv, opts: dict[str, Any]) -> dict[str, Any]:
     from lowband.train.config import validate
     from lowband.train.trainer import train
 
-    base = load_config(opts["config"] if Path(opts["config"]).is_file() else None)
+    base = load_config(resolve_config(opts["config"]))
+    if base.diloco.inner not in ("sharded-adamw", "sharded-muon"):
+        base.sparse.tables = []  # only those inner strategies send sparse rows; ddp and the others send dense ones
+    if opts.get("quick"):
+        for k, v in QUICK_MODEL.items():
+            setattr(base.model, k, v)
+        base.data.batch_size, base.data.grad_accum = 2, 1
     base.run.steps = opts["steps"]
     base.run.world_size = env.world_size
     base.run.log_every = 1

@@ -35,6 +35,9 @@ from lowband.train.env import DistEnv
 from lowband.train.strategies.base import Strategy
 from lowband.train.trainer import build_model
 
+QUICK = {"n_layer": 1, "n_embd": 32, "n_head": 2, "seq_len": 16, "batch_size": 2}
+"""``--quick`` settings (lowband.bench.__main__.apply_quick)."""
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The dp suite's own options (``python -m lowband.bench dp --help``)."""

@@ -75,6 +75,10 @@ def gtp_has_muon() -> bool:
     return "optimizer" in {f.name for f in dataclasses.fields(GTPConfig)}
 
 
+QUICK = {"n_layer": 1, "n_embd": 32, "n_head": 2, "seq_len": 16, "batch_size": 2, "fp8_block": 16}
+"""``--quick`` settings (lowband.bench.__main__.apply_quick)."""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contenders", default=",".join(default_contenders()),
                    help=f"comma-separated subset of {', '.join(CONTENDER_NAMES)}")

@@ -81,6 +81,11 @@ def _fractions(text: str) -> list[float]:
     return out
 
 
+QUICK = {"steps": 4, "n_layer": 1, "n_embd": 32, "n_head": 2, "seq_len": 16, "bigram_rows": 64, "eval_every": 2,
+         "compute_steps": 2, "val_batches": 1, "warmup": 1}
+"""``--quick`` settings (lowband.bench.__main__.apply_quick)."""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bandwidths", type=_bandwidths, default=DEFAULT_BANDWIDTHS,
                    help="comma-separated tc rates per link (bit, kbit, mbit, gbit)")

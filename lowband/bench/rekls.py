@@ -100,6 +100,10 @@ class ReferenceTpRekls(REKLS):
         return None
 
 
+QUICK = {"shapes": "32x32:0,32x16:1", "distinct_grads": 2}
+"""``--quick`` settings (lowband.bench.__main__.apply_quick)."""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", default="512x512:0,512x512:1,768x256:0,256x768:1",
                    help="comma-separated MxN:PD (full shape, partition dim 0 = column-, 1 = row-parallel)")

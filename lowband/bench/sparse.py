@@ -41,6 +41,10 @@ from lowband.train.trainer import build_model
 CONTENDERS = ("dense", "sparse", "auto")
 
 
+QUICK = {"bigram_rows": 256, "n_layer": 1, "n_embd": 32, "n_head": 2, "seq_len": 16, "batch_size": 2}
+"""``--quick`` settings (lowband.bench.__main__.apply_quick)."""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contenders", default=",".join(CONTENDERS), help=f"comma-separated of {CONTENDERS}")
     p.add_argument("--strategy", default="sharded-adamw", choices=["sharded-adamw", "sharded-muon"])

@@ -25,6 +25,33 @@ reduction is accumulated in fp32 (fp64 for fp64 tensors), in rank order, so all 
 results and a single-process reference can reproduce them exactly.
 
 Every op returns a :class:`CommHandle`; with ``async_op=False`` it is already complete.
+
+Private communicators: every lowband component (GTP runtime, sharded optimizer, TP layers, TP
+REKLS, GTP Muon, DiLoCo) runs its collectives on its own process group, derived from the user's
+group with :meth:`Comm.private` (same members in the same rank order, same ledger name, ledger and
+algorithms). Collectives on different process groups never pair with each other, so a collective the
+user issues on their own group (a ``dist.barrier()`` on the default group while rank 0 evaluates, a
+metrics ``all_reduce`` between forward and backward) can no longer be matched with a lowband gather
+or reduce-scatter that happens to be in flight: a rank-divergent program then ends with a timeout
+error naming the lowband operation instead of a silent mispairing or a hang.
+
+Cost: one extra process group per component kind and parent group (memoized: every TP layer built
+on one TP ``Comm`` shares the one ``"tp"`` group), created once at construction with
+``torch.distributed.new_group(ranks, timeout, use_local_synchronization=True)``, so only the
+members call it (a GTP or DP subgroup of a bigger world is created on its members alone) and only
+they wait for each other. Creating it is a store rendezvous plus, on gloo, a full TCP mesh between
+the members (N-1 connections and the backend's worker threads per rank: milliseconds on one host);
+on NCCL the communicator is built lazily at its first collective (``ncclCommInitRank``: typically
+tens to hundreds of milliseconds, and NCCL's per-communicator device buffers, a few MiB per peer
+channel) and its collectives run on their own CUDA stream. A ``Comm`` of one rank (or without
+``torch.distributed``) is its own private ``Comm``: nothing is created. The private group inherits
+the parent's timeout (``Comm.private(purpose, timeout=...)`` overrides it), so a rank-divergent
+collective fails within the same time the user chose for their group.
+
+Creation order: torch names a locally synchronized group from its ranks and the number of process
+groups this rank has created so far; members must therefore create their groups (torch's, and
+lowband components) in the same order, as every SPMD program does. If they do not, creation times
+out with an error that says so.
 """
 
 from __future__ import annotations
@@ -161,6 +188,10 @@ class Comm:
         ledger: where records go; defaults to the process-wide :func:`default_ledger`.
         algorithms: per-op algorithm override, e.g. ``{"reduce_scatter": "native"}``; see
             ``ALGORITHMS`` for the allowed values.
+
+    Components derive their own communicator with :meth:`private` (one extra process group per
+    component kind per parent group, created once among the members; see the module docstring
+    for the cost), so their collectives never pair with the user's collectives on ``group``.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, name: str = "world",
@@ -171,6 +202,9 @@ class Comm:
         self.ledger = ledger if ledger is not None else default_ledger()
         self.algorithms = dict(algorithms or {})
         self.workspace = _Workspace()
+        self.parent: Comm | None = None  # the user's Comm this private Comm was derived from
+        self.purpose: str | None = None  # the component a private Comm belongs to
+        self._privates: dict[tuple[str, timedelta | None], Comm] = {}
         # gloo all-gather: N broadcasts beat all_gather_into_tensor from a few MiB up (bench comm); below,
         # the native call has less per-call overhead.
         self.gloo_broadcast_gather_min_bytes = 4 << 20
@@ -193,6 +227,73 @@ class Comm:
 
     def __repr__(self) -> str:
         return f"Comm(name={self.name!r}, rank={self.rank}, size={self.size}, backend={self.backends!r})"
+
+    # ---------------------------------------------------------------------------- private groups
+    @property
+    def timeout(self) -> timedelta | None:
+        """The process-group timeout of this group (``None`` for a local ``Comm``)."""
+        if self.backends == "local":
+            return None
+        return group_timeout(self.group)
+
+    def private(self, purpose: str, *, timeout: timedelta | None = None) -> Comm:
+        """A ``Comm`` on a process group of its own, with this group's members, for one component.
+
+        The private ``Comm`` has the same members in the same rank order, the same ledger ``name``
+        (so ledger counts and bytes are recorded as before), the same ledger and algorithm
+        overrides. Collectives on it can never pair with collectives the user issues on this
+        group (see the module docstring for why and what it costs).
+
+        Collective over this group's members only (``use_local_synchronization=True``): every
+        member must call it, in the same order relative to its other process-group creations;
+        non-members need not. Memoized per ``(purpose, timeout)`` on the user's ``Comm``: asking
+        again (also on a private ``Comm`` derived from it) returns the same object without
+        communicating. A ``Comm`` of one rank returns itself, and so does one whose group
+        ``torch.distributed`` did not create (a torchft-managed group: its members are not known
+        to ``new_group``).
+
+        Args:
+            purpose: the component (``"gtp"``, ``"sharded"``, ``"tp"``, ``"tp_rekls"``,
+                ``"gtp_muon"``, ``"diloco"`` ...); part of the group's description.
+            timeout: process-group timeout of the new group (default: this group's own timeout).
+
+        Raises:
+            ValueError: an empty ``purpose``.
+            RuntimeError: the group could not be created (naming the parent group and purpose).
+        """
+        if not isinstance(purpose, str) or not purpose:
+            raise ValueError(f"Comm.private: purpose must be a non-empty str, got {purpose!r}")
+        if self.size == 1 or self.backends == "local":
+            return self
+        if self.group is not None and self.group not in dist.distributed_c10d._world.pg_group_ranks:
+            return self  # a group torch.distributed did not create (e.g. torchft's): no ranks to derive from
+        root = self.parent if self.parent is not None else self
+        if self.purpose == purpose and timeout is None:
+            return self
+        key = (purpose, timeout)
+        found = root._privates.get(key)
+        if found is not None:
+            return found
+        ranks = [root.global_rank(r) for r in range(root.size)]
+        parent_timeout = root.timeout
+        use = timeout if timeout is not None else parent_timeout
+        try:
+            pg = dist.new_group(ranks, timeout=use, use_local_synchronization=True, sort_ranks=False,
+                                group_desc=f"lowband:{root.name}:{purpose}")
+        except Exception as e:  # re-raised with the group and purpose named
+            raise RuntimeError(
+                f"Comm {root.name!r}: creating lowband's private process group for {purpose!r} over ranks "
+                f"{ranks} failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Every "
+                "member must build lowband components (and any torch.distributed.new_group) in the same "
+                "order") from e
+        priv = Comm(pg, name=root.name, ledger=root.ledger, algorithms=root.algorithms)
+        priv.gloo_broadcast_gather_min_bytes = root.gloo_broadcast_gather_min_bytes
+        priv.parent, priv.purpose = root, purpose
+        if priv.rank != root.rank or priv.size != root.size:
+            raise RuntimeError(f"Comm {root.name!r}: private group for {purpose!r} has rank {priv.rank} of "
+                               f"{priv.size}, expected {root.rank} of {root.size}")
+        root._privates[key] = priv
+        return priv
 
     # ----------------------------------------------------------------------------------- helpers
     def global_rank(self, group_rank: int) -> int:
@@ -487,6 +588,21 @@ class Comm:
         if any(v != values[0] for v in values):
             diffs = ", ".join(f"rank {i}: {v!r}" for i, v in enumerate(values))
             raise ValueError(f"{what} differs between ranks of group {self.name!r}: {diffs}")
+
+
+def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:
+    """The timeout of a process group (``None``: the default group), read from its backend's options
+    (torch 2.13 keeps it there: ``group._get_backend(device).options._timeout``); ``None`` if the
+    backend does not expose one. No communication."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    for device in getattr(pg, "_device_types", []) or [torch.device("cpu")]:
+        try:
+            t = pg._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+        if isinstance(t, timedelta):
+            return t
+    return None
 
 
 def new_group(ranks: Sequence[int], name: str, *, ledger: CommLedger | None = None,

@@ -11,6 +11,10 @@ the model has one, else from the default rule: one unit per block of the model's
 every fragment non-empty, no parameter in two fragments, every trainable parameter in some fragment,
 nothing foreign to the model.
 
+Frozen parameters (``requires_grad=False`` when the fragments are cut) are in no fragment, whichever
+way the split is given: they never change, so there is nothing to synchronise after the initial
+``init_sync`` (which covers them). A user-given fragment that holds only frozen parameters is refused.
+
 Tied / shared parameters (one tensor under several names, e.g. a token embedding tied to the output
 head; :func:`lowband.plan.tied_groups`) are one parameter to DiLoCo: they sit in one fragment, under
 their first name, and are synced once. A user-given split that puts a tied parameter's modules in two
@@ -131,8 +135,9 @@ def split_fragments(model: nn.Module,
             set, replace the default unit rule of the consecutive split.
 
     Raises:
-        ValueError: naming the problem (too many fragments for the model's units, an empty fragment,
-            overlapping fragments, trainable parameters left out, a parameter not in the model).
+        ValueError: naming the problem (too many fragments for the model's units, an empty fragment or
+            one of frozen parameters only, overlapping fragments, trainable parameters left out, a
+            parameter not in the model).
         TypeError: ``fragments`` of the wrong type.
     """
     named = _named_unique(model)
@@ -172,12 +177,16 @@ def split_fragments(model: nn.Module,
                             f"{type(spec).__name__}")
         frag = Fragment(i)
         seen: set[int] = set()
+        frozen = 0
         for p in params:
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"diloco fragments[{i}] holds a {type(p).__name__}, not a parameter")
             if id(p) not in name_of:
                 raise ValueError(f"diloco fragments[{i}] holds a parameter of shape {tuple(p.shape)} that is "
                                  "not a parameter of the model")
+            if not p.requires_grad:  # frozen: synced once by init_sync, never again
+                frozen += 1
+                continue
             if id(p) in seen:
                 continue
             seen.add(id(p))
@@ -191,7 +200,9 @@ def split_fragments(model: nn.Module,
             frag.names.append(name_of[id(p)])
             frag.params.append(p)
         if not frag.params:
-            raise ValueError(f"diloco fragments[{i}] has no parameters")
+            what = f"only frozen parameters ({frozen}, requires_grad=False; init_sync covers them)" if frozen \
+                else "no parameters"
+            raise ValueError(f"diloco fragments[{i}] has {what}; give every fragment a trainable parameter")
         out.append(frag)
     missing = [n for n, p in named if p.requires_grad and id(p) not in owner]
     if missing:

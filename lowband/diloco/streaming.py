@@ -13,9 +13,20 @@ fragment's weights become ``global + alpha (local - global)``; the local step re
 
 Communication (per sync, cross-replica group, tag ``diloco:frag<i>``): per bucket one all-to-all and
 one all-gather of the encoded pseudo-gradient (``2 (N-1)/N`` of the encoded bytes per rank, see
-:mod:`lowband.comm.codecs`). Once at construction (tag ``diloco:init``): one broadcast of every
-parameter from replica 0 (``init_sync``), and one ``all_gather_object`` (tag ``validate``) checking
-that every replica has the same settings and fragment shapes.
+:mod:`lowband.comm.codecs`). Once at construction (tag ``diloco:init``): one broadcast from replica 0
+of every parameter of the model, trainable or frozen, and every buffer (``init_sync``, as DDP's
+construction does), and one ``all_gather_object`` (tag ``validate``) checking that every replica has
+the same settings, fragment shapes and parameter / buffer shapes.
+
+Parameters and buffers outside the schedule (PyTorch semantics, docs/diloco.md "Frozen, unused and
+conditional parameters"): a frozen parameter (``requires_grad=False`` at construction) is in no
+fragment; after ``init_sync`` it is never communicated and never written. Buffers are made equal once,
+by ``init_sync``, and never synced again: between syncs replicas train independently, so a buffer that
+forward updates (running statistics, counters) evolves per replica. A fragment parameter that got no
+gradient on some inner steps (the inner optimizer skips ``.grad is None``) simply moved less: its
+pseudo-gradient ``global - local`` is averaged like any other, zero from a replica that never changed
+it; the outer optimizer steps every fragment parameter (``.grad`` is always set, as in torchft), so with
+outer momentum a parameter no replica touched since its last sync still moves by its momentum.
 
 With a message codec (``int4``, ``int2``, ``topk``, ``topk-int4``, ``topk-int2``) each bucket is one
 all-gather of every replica's message instead (``(N-1)`` messages per rank). **Error feedback**
@@ -88,7 +99,16 @@ def _bucket_bounds(numel: int, cap_elems: int | None, breaks: Sequence[int] = ()
 def _checksum(t: torch.Tensor) -> str:
     import hashlib
 
-    return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+    raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()[:16]
+
+
+def init_state(model: nn.Module) -> list[tuple[str, str, torch.Tensor]]:
+    """What ``init_sync`` makes equal across replicas, in a fixed order: ``("parameter", name, p)`` for
+    every parameter of ``model`` (each shared tensor once, under its first name), trainable or frozen,
+    then ``("buffer", name, b)`` for every buffer (persistent or not), as DDP's construction does."""
+    params = [("parameter", n, p) for n, p in model.named_parameters()]
+    return params + [("buffer", n, b) for n, b in model.named_buffers()]
 
 
 class StreamingDiLoCo:
@@ -101,7 +121,8 @@ class StreamingDiLoCo:
         sync_every: H, inner steps between two syncs of the same fragment.
         fragments: number of fragments (consecutive split of the units: the plan's ``fragment_units``
             when the model has a plan, else the default rule) or a list of modules / parameter lists
-            (see :func:`lowband.diloco.fragments.split_fragments`). Tied parameters are synced once.
+            (see :func:`lowband.diloco.fragments.split_fragments`). Tied parameters are synced once;
+            frozen parameters (``requires_grad=False``) are left out of every fragment.
         delay: tau, inner steps between a fragment's prepare and its sync, in ``[0, H / n)``.
         alpha: merge weight of the local weights after a sync, in ``[0, 1]`` (0 = pure global).
         outer_optimizer: a factory ``params -> Optimizer`` used for every fragment, or a list of n
@@ -123,9 +144,9 @@ class StreamingDiLoCo:
             (replicated next to GTP row shards) then get the same averaged values on every rank.
         backup_device: where global copies, outer state and residuals live (default CPU).
         init_sync: how replicas start equal (models seeded per rank, nanoGPT style, start different):
-            ``True`` / ``"broadcast"`` (default) broadcast every fragment parameter from replica 0;
-            ``"verify"`` compare checksums and raise ``ValueError`` on every replica naming the first
-            parameter that differs; ``False`` trust the caller.
+            ``True`` / ``"broadcast"`` (default) broadcast every parameter (frozen ones too) and every
+            buffer from replica 0; ``"verify"`` compare checksums and raise ``ValueError`` on every
+            replica naming the first parameter or buffer that differs; ``False`` trust the caller.
         membership: who takes part in a sync; default :class:`StaticMembership` over ``comm``; or
             :class:`lowband.diloco.ft.TorchftMembership` (quorum, healing, rollback and retry).
         plan: the model's :class:`~lowband.plan.ModelPlan` (default: ``lowband.plan.plan_for(model)``);
@@ -189,7 +210,7 @@ class StreamingDiLoCo:
                             f"of them, got {type(outer_optimizer).__name__}")
         self.model = model
         self.inner_optimizer = inner_optimizer
-        self.comm = comm if comm is not None else Comm(name="replica")
+        self.comm = (comm if comm is not None else Comm(name="replica")).private("diloco")
         self.membership = membership if membership is not None else StaticMembership(self.comm)
         self.backup_device = torch.device(backup_device)
         self.buffer_dtypes = [torch.float64 if any(p.dtype == torch.float64 for p in f.params)
@@ -212,21 +233,23 @@ class StreamingDiLoCo:
                      self.error_feedback, bucket_cap_mb, self.bucket_breaks, str(init_sync),
                      [[tuple(p.shape) for p in f.params] for f in self.frags],
                      [[str(p.dtype) for p in f.params] for f in self.frags])
-        self.comm.agree(signature, "diloco settings and fragment shapes")
+        state = init_state(model)
+        if init_sync:  # every tensor init_sync covers must exist alike on every replica
+            signature = (*signature, [(kind, name, tuple(t.shape), str(t.dtype)) for kind, name, t in state])
+        self.comm.agree(signature, "diloco settings, fragment shapes and model state")
         if init_sync == "verify" and self.comm.size > 1:
-            sums = [(name, _checksum(p)) for f in self.frags for name, p in zip(f.names, f.params, strict=True)]
+            sums = [(kind, name, _checksum(t)) for kind, name, t in state]
             everyone = self.comm.all_gather_object(sums, tag="diloco:init")
-            for j, (name, _) in enumerate(sums):
-                if any(other[j][1] != everyone[0][j][1] for other in everyone):
-                    who = [r for r, other in enumerate(everyone) if other[j][1] != everyone[0][j][1]]
-                    raise ValueError(f"diloco init_sync='verify': parameter {name!r} differs between replicas "
+            for j, (kind, name, _) in enumerate(sums):
+                if any(other[j][2] != everyone[0][j][2] for other in everyone):
+                    who = [r for r, other in enumerate(everyone) if other[j][2] != everyone[0][j][2]]
+                    raise ValueError(f"diloco init_sync='verify': {kind} {name!r} differs between replicas "
                                      f"(replica 0 vs {who}); seed every replica alike or use "
                                      "init_sync='broadcast'")
         elif init_sync in (True, "broadcast") and self.comm.size > 1:
             with torch.no_grad():
-                for f in self.frags:
-                    for p in f.params:
-                        self.comm.broadcast(p.data, src=0, tag="diloco:init")
+                for _, _, t in state:
+                    self.comm.broadcast(t.data, src=0, tag="diloco:init")
         self.init_sync = init_sync
 
         # ---- state: global copies, per-fragment outer optimizers, residuals on the backup device

@@ -5,10 +5,15 @@ the last ``context_len`` tokens (the window it was trained on; lowband's GPT ref
 takes the logits of the last position in float32, and picks the next token:
 
 * ``temperature == 0``: greedy, ``argmax`` (the lowest id among equal maxima);
-* otherwise: the ``top_k`` largest logits (all of them when ``top_k`` is None), divided by the
-  temperature, softmax, one draw per row with ``torch.multinomial`` from ``generator`` (so a seeded
-  generator makes the output reproducible on the same device and torch build). ``top_k = 1`` always
-  draws the single kept candidate, which is the greedy token.
+* otherwise: the ``top_k`` largest logits (all of them when ``top_k`` is None), less their maximum,
+  divided by the temperature in float64, softmax, one draw per row with ``torch.multinomial`` from
+  ``generator`` (so a seeded generator makes the output reproducible on the same device and torch
+  build). Subtracting the maximum first keeps every finite temperature > 0 well defined (1e-300 is
+  greedy, 1e300 uniform; neither overflows into NaN probabilities). ``top_k = 1`` always draws the
+  single kept candidate, which is the greedy token.
+
+Logits holding NaN or inf (a model with non-finite weights, or one that overflows) raise
+:class:`NonFiniteLogitsError` instead of decoding garbage (an argmax over NaNs is id 0).
 
 ``vocab_limit`` restricts the candidates to ids below it (the byte tokenizer decodes at most 320).
 Any forward convention works: the model may return the logits, a tuple whose first element they are
@@ -18,9 +23,14 @@ Any forward convention works: the model may return the logits, a tuple whose fir
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import nn
+
+
+class NonFiniteLogitsError(ValueError):
+    """The model's logits hold NaN or inf: there is no distribution to sample from."""
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
@@ -61,11 +71,16 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int | None,
                generator: torch.Generator | None) -> torch.Tensor:
     """Next token ids ``(B, 1)`` from last-position logits ``(B, V)`` (see the module docstring)."""
     logits = logits.float()
+    if not bool(torch.isfinite(logits).all()):
+        bad = int((~torch.isfinite(logits)).sum())
+        raise NonFiniteLogitsError(f"the model's logits hold {bad} NaN/inf value(s) of {logits.numel()}: its weights "
+                                   "or its forward are not finite (a diverged run?); nothing to sample from")
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     k = logits.shape[-1] if top_k is None else min(top_k, logits.shape[-1])
     values, ids = torch.topk(logits, k, dim=-1)
-    probs = torch.softmax(values / temperature, dim=-1)
+    scaled = (values.double() - values.double().amax(dim=-1, keepdim=True)) / float(temperature)
+    probs = torch.softmax(scaled, dim=-1)  # max entry exactly 0 before exp: never NaN for a temperature > 0
     choice = torch.multinomial(probs, 1, generator=generator)
     return ids.gather(-1, choice)
 
@@ -87,8 +102,22 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
         vocab_limit: only ids below this are candidates (None = every logit).
 
     Raises:
-        ValueError: a setting is out of range (:func:`check_sampling`), or ``idx`` is not ``(B, T >= 1)``.
+        ValueError: a setting is out of range (:func:`check_sampling`), or ``idx`` is not ``(B, T >= 1)``;
+            :class:`NonFiniteLogitsError` (a ``ValueError``) when the model's logits are NaN or inf.
     """
+    for token in iter_tokens(model, idx, max_new_tokens, temperature, top_k, generator, context_len=context_len,
+                             vocab_limit=vocab_limit):
+        idx = torch.cat((idx, token), dim=1)
+    return idx
+
+
+@torch.no_grad()
+def iter_tokens(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                top_k: int | None = None, generator: torch.Generator | None = None, *,
+                context_len: int | None = None, vocab_limit: int | None = None) -> Iterator[torch.Tensor]:
+    """The tokens :func:`generate` appends, one ``(B, 1)`` tensor per step as soon as it is drawn (for
+    streaming; stop iterating to stop generating). Same arguments and errors as :func:`generate`, plus
+    :class:`NonFiniteLogitsError` from the step whose logits are not finite."""
     check_sampling(max_new_tokens, temperature, top_k)
     if idx.dim() != 2 or idx.shape[1] < 1:
         raise ValueError(f"idx must have shape (B, T) with T >= 1, got {tuple(idx.shape)}")
@@ -103,7 +132,8 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
             logits = _logits(model(cond))[:, -1, :]
             if vocab_limit is not None:
                 logits = logits[:, :vocab_limit]
-            idx = torch.cat((idx, next_token(logits, temperature, top_k, generator).to(idx.dtype)), dim=1)
+            token = next_token(logits, temperature, top_k, generator).to(idx.dtype)
+            idx = torch.cat((idx, token), dim=1)
+            yield token
     finally:
         model.train(was_training)
-    return idx

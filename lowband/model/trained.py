@@ -84,6 +84,16 @@ def read_meta(run_dir: str | Path) -> dict[str, Any]:
     if meta.get("dtype") not in DTYPES or meta.get("builder") not in ("gpt", "factory"):
         raise TrainedModelError(f"{str(meta_path)!r}: dtype must be one of {', '.join(DTYPES)} and builder gpt or "
                                 f"factory; got {meta.get('dtype')!r}, {meta.get('builder')!r}")
+    for key in ("vocab_size", "seq_len"):
+        v = meta.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise TrainedModelError(f"{str(meta_path)!r}: {key} must be a positive integer; got {v!r} (a damaged "
+                                    "or hand-edited file? export the model again)")
+    if meta["builder"] == "gpt" and not isinstance(meta.get("gpt"), dict):
+        raise TrainedModelError(f"{str(meta_path)!r}: builder gpt needs the GPT's settings under \"gpt\"; got "
+                                f"{type(meta.get('gpt')).__name__}")
+    if meta["builder"] == "factory" and not isinstance(meta.get("config"), dict):
+        raise TrainedModelError(f"{str(meta_path)!r}: builder factory needs the run's config under \"config\"")
     return meta
 
 
@@ -119,7 +129,7 @@ def build_untrained(meta: dict[str, Any], device: str | torch.device = "cpu") ->
     return model
 
 
-def load_trained(run_dir: str | Path, device: str | torch.device = "cpu") -> nn.Module:
+def load_trained(run_dir: str | Path, device: str | torch.device = "cpu", *, check_finite: bool = True) -> nn.Module:
     """The model a run exported (``<run_dir>/model.safetensors`` + ``model.json``), in eval mode.
 
     Rebuilds the module (:func:`build_untrained`) and loads every tensor strictly (a missing or
@@ -128,13 +138,46 @@ def load_trained(run_dir: str | Path, device: str | torch.device = "cpu") -> nn.
     Args:
         run_dir: the run directory (``<run.out_dir>/<run.name>``).
         device: where the model goes (``"cpu"``, ``"cuda"``, ``"cuda:1"`` ...).
+        check_finite: refuse weights holding NaN or inf (one pass over them).
 
     Raises:
-        TrainedModelError: see :func:`read_meta` and :func:`build_untrained`.
+        TrainedModelError: see :func:`read_meta` and :func:`build_untrained`; also a ``model.json`` this
+            version cannot build, a ``model.safetensors`` that is truncated, corrupt or does not match it
+            (names, shapes), and non-finite weights.
     """
     from safetensors.torch import load_model
 
     meta = read_meta(run_dir)
-    model = build_untrained(meta, device)
-    load_model(model, str(Path(run_dir) / WEIGHTS_FILE), strict=True, device=str(device))
+    meta_path, weights = Path(run_dir) / META_FILE, Path(run_dir) / WEIGHTS_FILE
+    try:
+        model = build_untrained(meta, device)
+    except TrainedModelError:
+        raise
+    except (TypeError, ValueError, KeyError) as e:  # GPTConfig(**gpt) with unknown or bad fields, a bad config
+        from lowband.train.config import ConfigError
+
+        if isinstance(e, ConfigError):  # the factory's own one-line error (model.factory = ...: ...)
+            raise
+        raise TrainedModelError(f"{str(meta_path)!r} does not describe a model this lowband can build "
+                                f"({_first_line(e)})") from e
+    try:
+        load_model(model, str(weights), strict=True, device=str(device))
+    except Exception as e:  # safetensors' own error (truncated, corrupt header), shape / name mismatch
+        raise TrainedModelError(f"{str(weights)!r} cannot be loaded into the model {META_FILE} describes "
+                                f"({_first_line(e)}); a damaged or mismatched run: export it again") from e
+    if check_finite:
+        for name, t in model.state_dict().items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                bad = int((~torch.isfinite(t)).sum())
+                raise TrainedModelError(f"{str(weights)!r}: {name} holds {bad} NaN/inf value(s) of {t.numel()} (the "
+                                        "run diverged, or the file is damaged); nothing meaningful can be sampled")
     return model.eval()
+
+
+def _first_line(e: BaseException) -> str:
+    """``Type: text`` in one line: the first informative line of ``e`` (a load_state_dict error's mismatch)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if len(lines) > 1 and lines[0].startswith("Error(s) in loading state_dict"):
+        lines = lines[1:]
+    text = "; ".join(lines)[:300]
+    return f"{type(e).__name__}{': ' + text if text else ''}"

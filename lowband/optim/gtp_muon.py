@@ -208,7 +208,8 @@ class GTPMuon(torch.optim.Optimizer):
         params: param-group dicts, each with ``algorithm`` ``"muon"`` (2-D matrices: GTP shards of
             ``comm``'s group or replicated matrices) or ``"adamw"`` (anything); a group may override
             any default below.
-        comm: the GTP group (``runtime.comm`` of the shards' :class:`~lowband.parallel.gtp.GTPRuntime`).
+        comm: the GTP group (``runtime.comm`` of the shards' :class:`~lowband.parallel.gtp.GTPRuntime`,
+            or the ``Comm`` it was built from); the all-to-alls run on ``comm.private("gtp_muon")``.
         lr, betas, eps, weight_decay: AdamW defaults (``weight_decay`` and ``lr`` also Muon's unless a
             Muon group sets its own).
         momentum, nesterov, ns_method, ns_steps, ns_dtype: Muon (:class:`lowband.optim.muon.Muon`).
@@ -229,7 +230,7 @@ class GTPMuon(torch.optim.Optimizer):
         super().__init__(list(params), defaults)
         if not bucket_mb > 0:
             raise ValueError(f"GTPMuon: bucket_mb must be > 0, got {bucket_mb!r}")
-        self.comm = comm
+        self.comm = comm.private("gtp_muon")  # its own process group, same members (see Comm.private)
         self.bucket_mb = bucket_mb
         self._gtp_params: list[torch.Tensor] = []
         specs: list[MatrixSpec] = []

@@ -18,7 +18,9 @@ Communication pattern (per step, per unit, N = data-parallel world size; see
    so all ranks issue the same collectives in the same order whatever their gradients.
 2. **step().** Units not launched yet (a member got no gradient on this rank, or gradients were
    produced under :meth:`ShardedOptimizer.no_sync`) are launched in unit order: a member's slot
-   takes ``p.grad`` if it exists, zeros otherwise. Then, unit by unit: wait for its reduce-scatter,
+   takes ``p.grad`` if it exists, zeros otherwise. Right after the last launch, one async
+   ``all_reduce(op="max", tag="grad_used")`` of a ``uint8`` flag per parameter (see *Missing
+   gradients* below) starts. Then, unit by unit: wait for its reduce-scatter,
    update the owned slice (AdamW on a flat shard; Muon on whole owned matrices), launch
    ``all_gather(async_op=True, tag="param:*")`` of the updated slice straight into the flat
    parameter buffer, and move on while it is in flight. AdamW and Muon units share one loop, so
@@ -32,11 +34,13 @@ Communication pattern (per step, per unit, N = data-parallel world size; see
 
 Bytes per rank per step (ring model): reduce-scatter ``(N-1)/N * numel * grad_wire_esize`` plus
 all-gather ``(N-1)/N * numel * param_wire_esize`` per unit: the same as one all-reduce in fp32, 0.75x
-of it with bf16 gradients, 0.5x with bf16 gradients and bf16 parameter gathers. Optional clipping
-adds one all-reduce of one scalar.
+of it with bf16 gradients, 0.5x with bf16 gradients and bf16 parameter gathers; plus the used-flags
+all-reduce, ``2(N-1)/N * F`` bytes for ``F`` parameters in the optimizer (frozen ones included; none
+on one rank). Optional clipping adds one all-reduce of one scalar.
 
 State layout per rank: AdamW ``exp_avg``/``exp_avg_sq`` of ``numel / N`` elements per bucket (the
-owned shard, accumulation dtype: fp32, or fp64 for fp64 parameters) plus an integer step; Muon a
+owned shard, accumulation dtype: fp32, or fp64 for fp64 parameters) plus ``steps``, one integer step
+count per member (torch's per-parameter ``step``; every rank keeps all of them); Muon a
 ``momentum_buffer`` ``[real_owned, rows, cols]`` per unit; ``master`` (fp32 copy of the owned slice)
 where parameters travel or are stored narrower than fp32. ``self.state`` is keyed by unit index;
 :meth:`ShardedOptimizer.state_dict` presents it per parameter as ``Shard(0)`` DTensors for torch DCP
@@ -50,11 +54,22 @@ Gradient accumulation: wrap every microbatch's backward but the last in ``with o
 usual; the last backward (outside ``no_sync``) launches the reduce-scatters. If the last one is also
 inside ``no_sync``, ``step()`` still reduces everything, without overlap.
 
-Frozen parameters (``requires_grad=False`` at construction) are left out of every unit and never
-updated. A parameter that requires grad but gets none this step is treated as a zero gradient on
-that rank (identically to DDP); unlike ``torch.optim.AdamW`` (which skips a parameter whose grad is
-``None``), its moments decay and weight decay applies. With ``lr = 0`` and zero gradients a step
-changes no parameter (checkpoint loaders rely on this).
+Missing gradients (``torch.optim`` + DDP ``find_unused_parameters=True`` semantics). A parameter
+counts as used on a rank when ``p.grad is not None`` at ``step()`` (or its hook copied a gradient).
+Used on at least one rank: averaged with zeros from the others. Used on no rank: untouched, as
+``torch.optim`` leaves a parameter whose grad is ``None``: no moment decay, no weight decay, no step
+count (AdamW steps are per member, each member's bias correction uses its own step), Muon momentum not
+decayed and the matrix not updated; sparse tables the same. The global knowledge is DDP's: each step
+every rank all-reduces (MAX) a ``uint8`` vector, one flag per unit member, then one per parameter left
+out of the units, async, right after the last unit's reduce-scatter (so at the same place on every
+rank). A member this rank used is used globally, so the flags are only waited for at the first unit
+where this rank left a member unused (or before the first update when there are frozen parameters);
+on one rank nothing is sent. AdamW runs one fused update over the owned shard when every member was
+used with equal steps, otherwise one per run of adjacent used members with equal steps. Frozen
+parameters (``requires_grad=False`` at construction) are left out of every unit and never updated;
+frozen later, they get no gradient and are untouched; unfrozen later (their flag is set), ``step()``
+raises ``ValueError`` naming the parameter on every rank alike, before any update. With ``lr = 0``
+and zero gradients a step changes no parameter (checkpoint loaders rely on this).
 """
 
 from __future__ import annotations
@@ -254,7 +269,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         self._validate_groups()
 
-        self.comm = comm if comm is not None else Comm()
+        self.comm = (comm if comm is not None else Comm()).private("sharded")  # own group (Comm.private)
         self.bucket_mb = float(bucket_mb)
         self.grad_wire_dtype = grad_wire_dtype
         self.param_wire_dtype = param_wire_dtype
@@ -307,6 +322,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._next_launch = 0
         self._gathers: dict[int, CommHandle] = {}
         self._hooks: list[Any] = []
+        in_units = {id(p) for u in self._units for p in u.params}
+        self._excluded = [(name, p) for name, p in self._named_state(module, all_params, self.param_groups)
+                          [:len(all_params)] if id(p) not in in_units]
+        self.used_flags_numel = sum(len(u.params) for u in self._units) + len(self._excluded)
+        self._reset_used()
         self._sync_initial(module, all_params)
         for ui, unit in enumerate(self._units):
             for mi, p in enumerate(unit.params):
@@ -530,6 +550,78 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         slot.zero_()
             self._launch(ui)
 
+    # ------------------------------------------------------------------- which parameters were used
+    def _reset_used(self) -> None:
+        self._used_handle: CommHandle | None = None
+        self._used_buf: torch.Tensor | None = None
+        self._used_local: list[list[bool]] | None = None
+        self._used_global: list[list[bool]] | None = None
+
+    def _flag_device(self) -> torch.device:
+        if self._units:
+            return self._units[0].grad_buf.device
+        params = [p for g in self.param_groups for p in g["params"]]
+        return params[0].device if params else torch.device("cpu")
+
+    @torch.no_grad()
+    def _launch_used(self) -> None:
+        """Start the all-reduce (MAX, ``uint8``, ``tag="grad_used"``) of this rank's "got a gradient"
+        flags: one per unit member (``p.grad is not None`` or its hook copied a gradient), then one per
+        parameter left out of the units at construction (``requires_grad`` is now ``True``: unfrozen).
+        Idempotent within a step; issued right after every unit's reduce-scatter was launched, so every
+        rank issues it at the same place in its sequence of collectives. On one rank the local flags
+        are the global ones: no collective."""
+        if self._used_local is not None:
+            return
+        self._used_local = [[bool(unit.copied[mi]) or p.grad is not None for mi, p in enumerate(unit.params)]
+                            for unit in self._units]
+        excluded = [bool(p.requires_grad) for _n, p in self._excluded]
+        flat = [f for unit_flags in self._used_local for f in unit_flags] + excluded
+        if self.comm.size == 1:  # the local flags are the global ones (checked where N ranks wait)
+            self._used_buf = torch.tensor(flat, dtype=torch.uint8)
+            return
+        self._used_buf = torch.tensor(flat, dtype=torch.uint8, device=self._flag_device())
+        self._used_handle = self.comm.all_reduce(self._used_buf, "max", async_op=True, tag="grad_used")
+
+    def _wait_used(self) -> list[list[bool]]:
+        """The global flags (a parameter counts as used if any rank used it); raises ``ValueError`` on
+        every rank alike if a parameter left out at construction has been unfrozen."""
+        if self._used_global is None:
+            assert self._used_buf is not None
+            if self._used_handle is not None:
+                self._used_handle.wait()
+                self._used_handle = None
+            flat = [bool(v) for v in self._used_buf.tolist()]
+            out, off = [], 0
+            for unit in self._units:
+                out.append(flat[off:off + len(unit.params)])
+                off += len(unit.params)
+            self._used_global = out
+            self._check_excluded(flat[off:])
+        return self._used_global
+
+    def _check_excluded(self, unfrozen: list[bool]) -> None:
+        if not any(unfrozen):
+            return
+        name, p = self._excluded[unfrozen.index(True)]
+        for unit in self._units:  # leave no collective in flight: every rank raises at this same point
+            if unit.rs is not None:
+                unit.rs.wait()
+        self._reset_step()
+        raise ValueError(
+            f"ShardedOptimizer.step: parameter {name} (shape {tuple(p.shape)}) had requires_grad=False when the "
+            "optimizer was built and has requires_grad=True now (on at least one rank); the bucket layout is "
+            "fixed at construction, so it cannot be trained: build the optimizer after unfreezing it")
+
+    def _unit_used(self, ui: int) -> list[bool]:
+        """Unit ``ui``'s members that some rank used this step. A member used on this rank is used
+        globally (MAX), so the all-reduce is only waited for when this rank left a member unused."""
+        assert self._used_local is not None
+        local = self._used_local[ui]
+        if self._used_global is None and all(local):
+            return local
+        return self._wait_used()[ui]
+
     def _reduce(self, unit: _Unit) -> None:
         if not unit.reduced:
             assert unit.rs is not None
@@ -554,6 +646,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._wait_gathers()
 
     def _reset_step(self) -> None:
+        if self._used_handle is not None:
+            self._used_handle.wait()
+        self._reset_used()
         for unit in self._units:
             unit.reset()
         for su in self._sparse.values():
@@ -601,6 +696,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"clip_grad_norm: max_norm must be a positive number (got {max_norm!r})")
         self._wait_gathers()
         self._launch_remaining()
+        self._launch_used()
         wide = any(u.grad_shard.dtype == torch.float64 for u in self._units)
         acc = torch.float64 if wide else torch.float32
         device = self._units[0].grad_shard.device if self._units else torch.device("cpu")
@@ -630,14 +726,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._check_lrs()
         self._wait_gathers()
         self._launch_remaining()
+        self._launch_used()
+        if self._excluded:  # an unfrozen parameter is refused before any update, on every rank alike
+            self._wait_used()
         rank = self.comm.rank
         for ui, unit in enumerate(self._units):
             self._reduce(unit)
             group = self.param_groups[unit.layout.group]
+            used = self._unit_used(ui)
             if unit.layout.kind == "adamw":
-                self._adamw_step(ui, unit, group, rank)
+                self._adamw_step(ui, unit, group, rank, used)
             else:
-                self._muon_step(ui, unit, group, rank)
+                self._muon_step(ui, unit, group, rank, used)
             lo, hi = unit.layout.owner_range(rank)
             self._gathers[ui] = self.comm.all_gather(unit.param_buf, unit.param_buf[lo:hi], async_op=True,
                                                      wire_dtype=self._param_wire(unit),
@@ -661,24 +761,71 @@ class ShardedOptimizer(torch.optim.Optimizer):
             state["master"] = own.to(acc).clone()
         return state["master"]
 
-    def _adamw_step(self, ui: int, unit: _Unit, group: dict, rank: int) -> None:
+    def _new_adamw_state(self, unit: _Unit) -> dict[str, Any]:
+        return {"steps": [0] * len(unit.params), "exp_avg": torch.zeros_like(unit.grad_shard),
+                "exp_avg_sq": torch.zeros_like(unit.grad_shard)}
+
+    @staticmethod
+    def _adamw_runs(lay: UnitLayout, used: list[bool], steps: list[int], lo: int,
+                    hi: int) -> list[tuple[int, int, int]]:
+        """Shard-relative ``[a, b)`` ranges of the owned slice ``[lo, hi)`` covered by used members,
+        adjacent members with equal steps merged: ``(a, b, step)`` per range."""
+        runs: list[tuple[int, int, int]] = []
+        for mi, m in enumerate(lay.members):  # members are in offset order
+            a, b = max(lo, m.offset) - lo, min(hi, m.offset + m.numel) - lo
+            if not used[mi] or a >= b:
+                continue
+            if runs and runs[-1][1] == a and runs[-1][2] == steps[mi]:
+                runs[-1] = (runs[-1][0], b, steps[mi])
+            else:
+                runs.append((a, b, steps[mi]))
+        return runs
+
+    def _adamw_step(self, ui: int, unit: _Unit, group: dict, rank: int, used: list[bool]) -> None:
+        """AdamW on the owned slice for the members some rank used; each member counts its own step
+        (torch's per-parameter ``step``). One fused update over the whole slice when every member was
+        used and all steps agree; otherwise one per run of adjacent used members with equal steps."""
+        # used on no rank: nothing changes (no moment decay, weight decay or step); only an fp32
+        # master is still created at the unit's first step, before the gather rounds the parameters
+        if not any(used) and not self._needs_master(unit):
+            return
         lo, hi = unit.layout.owner_range(rank)
         shard = unit.param_buf[lo:hi]
         state = self.state[ui]
         if not state:
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(unit.grad_shard)
-            state["exp_avg_sq"] = torch.zeros_like(unit.grad_shard)
-        state["step"] += 1
-        beta1, beta2 = group["betas"]
+            state.update(self._new_adamw_state(unit))
         target = self._master(unit, shard, state)
-        adamw_update_(target, unit.grad_shard, state["exp_avg"], state["exp_avg_sq"], step=state["step"],
-                      lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                      weight_decay=group["weight_decay"])
+        if not any(used):
+            return
+        steps = state["steps"]
+        for mi, u in enumerate(used):
+            if u:
+                steps[mi] += 1
+        beta1, beta2 = group["betas"]
+        hp = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+        ea, eas, g = state["exp_avg"], state["exp_avg_sq"], unit.grad_shard
+        if all(used) and all(s == steps[0] for s in steps):
+            adamw_update_(target, g, ea, eas, step=steps[0], **hp)
+        else:
+            for a, b, step in self._adamw_runs(unit.layout, used, steps, lo, hi):
+                adamw_update_(target[a:b], g[a:b], ea[a:b], eas[a:b], step=step, **hp)
         if target is not shard:
             shard.copy_(target)
 
-    def _muon_step(self, ui: int, unit: _Unit, group: dict, rank: int) -> None:
+    @staticmethod
+    def _owned_members(lay: UnitLayout, rank: int) -> list[int]:
+        """Member indices of the matrices ``rank`` owns in a Muon unit, in slot order."""
+        assert lay.matrix_shape is not None and lay.real_per_rank is not None
+        size = lay.matrix_shape[0] * lay.matrix_shape[1]
+        first = rank * lay.slots_per_rank
+        owned = {m.offset // size - first: mi for mi, m in enumerate(lay.members)}
+        return [owned[j] for j in range(lay.real_per_rank[rank])]
+
+    def _muon_step(self, ui: int, unit: _Unit, group: dict, rank: int, used: list[bool]) -> None:
+        """Muon on the owned matrices some rank used (a matrix used on no rank: momentum not decayed,
+        matrix not updated; an fp32 master is still created at the unit's first step)."""
+        if not any(used) and not self._needs_master(unit):
+            return
         lay = unit.layout
         assert lay.matrix_shape is not None and lay.real_per_rank is not None
         rows, cols = lay.matrix_shape
@@ -691,11 +838,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if real == 0:
             return
         own = unit.param_buf.view(-1, rows, cols)[rank * c:rank * c + real]
-        grads = unit.grad_shard.view(c, rows, cols)[:real]
         target = self._master(unit, own, state)
-        muon_update_(target, grads, state["momentum_buffer"], lr=group["lr"], momentum=group["momentum"],
-                     nesterov=group["nesterov"], weight_decay=group["weight_decay"],
-                     ns_method=group["ns_method"], ns_steps=group["ns_steps"], ns_dtype=group["ns_dtype"])
+        sel = [j for j, mi in enumerate(self._owned_members(lay, rank)) if used[mi]]
+        if not sel:
+            return
+        grads = unit.grad_shard.view(c, rows, cols)[:real]
+        mom = state["momentum_buffer"]
+        hp = dict(lr=group["lr"], momentum=group["momentum"], nesterov=group["nesterov"],
+                  weight_decay=group["weight_decay"], ns_method=group["ns_method"], ns_steps=group["ns_steps"],
+                  ns_dtype=group["ns_dtype"])
+        if len(sel) == real:
+            muon_update_(target, grads, mom, **hp)
+        else:
+            idx = torch.tensor(sel, dtype=torch.long, device=mom.device)
+            sub_t, sub_m = target.index_select(0, idx), mom.index_select(0, idx)
+            muon_update_(sub_t, grads.index_select(0, idx), sub_m, **hp)
+            target.index_copy_(0, idx, sub_t)
+            mom.index_copy_(0, idx, sub_m)
         if target is not own:
             own.copy_(target)
 
@@ -840,7 +999,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         :meth:`state_dict` or :meth:`full_state_dict`.
         """
         self._wait_gathers()
-        state = {ui: dict(st) for ui, st in self.state.items()}
+        state = {ui: {k: (list(v) if k == "steps" else v) for k, v in st.items()} for ui, st in self.state.items()}
         return {"state": state, "param_groups": self._packed_groups(),
                 "sharding": {"world_size": self.comm.size, "rank": self.comm.rank, "layout": self._layout_id}}
 
@@ -860,8 +1019,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for ui, st in state_dict["state"].items():
             unit = self._units[int(ui)]
             dev, acc = unit.grad_shard.device, unit.grad_shard.dtype
-            self.state[int(ui)] = {k: (v.to(device=dev, dtype=acc).clone() if isinstance(v, torch.Tensor) else v)
-                                   for k, v in st.items()}
+            new = {k: (v.to(device=dev, dtype=acc).clone() if isinstance(v, torch.Tensor) else v)
+                   for k, v in st.items() if k != "step"}
+            if unit.layout.kind == "adamw":  # per-member steps; an older shard's one unit step goes to all
+                steps = st["steps"] if "steps" in st else [int(st["step"])] * len(unit.params)
+                if len(steps) != len(unit.params):
+                    raise ValueError(f"load_shard_state_dict: unit {ui} has {len(unit.params)} parameters but "
+                                     f"{len(steps)} step counts")
+                new["steps"] = [int(x) for x in steps]
+            self.state[int(ui)] = new
 
     @torch.no_grad()
     def full_state_dict(self) -> dict:
@@ -869,8 +1035,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         ``{"state": {param_index: {"step", "exp_avg", "exp_avg_sq"} | {"momentum_buffer"}},
         "param_groups": [...]}``, parameter indices in param-group order, as
-        ``torch.optim.AdamW.state_dict()`` numbers them. Every rank must call it; it issues one
-        all-gather per state tensor per unit (``tag="state"``).
+        ``torch.optim.AdamW.state_dict()`` numbers them, ``step`` per parameter. An AdamW parameter
+        never used has no entry (as in torch) unless its unit keeps fp32 masters (then step 0, zero
+        moments and its master). Every rank must call it; it issues one all-gather per state tensor
+        per unit that has state (``tag="state"``).
         """
         self._wait_gathers()
         rank = self.comm.rank
@@ -886,8 +1054,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     full = torch.empty(lay.numel, dtype=st[key].dtype, device=st[key].device)
                     self.comm.all_gather(full, st[key], tag="state")
                     fulls[key] = full
-                for m in lay.members:
-                    out[m.index] = {"step": torch.tensor(float(st["step"]), dtype=torch.float32),
+                keep_unstepped = self._needs_master(unit)  # its master is state even before a first use
+                for mi, m in enumerate(lay.members):
+                    if st["steps"][mi] == 0 and not keep_unstepped:  # never used: no state, as in torch
+                        continue
+                    out[m.index] = {"step": torch.tensor(float(st["steps"][mi]), dtype=torch.float32),
                                     **{k: f[m.offset:m.offset + m.numel].view(m.shape).clone()
                                        for k, f in fulls.items()}}
             else:
@@ -905,7 +1076,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if self._needs_master(unit):
                 master = self._gather_master(ui)
                 for m in lay.members:
-                    out[m.index]["master"] = master[m.offset:m.offset + m.numel].view(m.shape).clone()
+                    if m.index in out:
+                        out[m.index]["master"] = master[m.offset:m.offset + m.numel].view(m.shape).clone()
         return {"state": dict(sorted(out.items())), "param_groups": self._packed_groups()}
 
     def _needs_master(self, unit: _Unit) -> bool:
@@ -938,7 +1110,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def load_full_state_dict(self, state_dict: dict) -> None:
         """Load a :meth:`full_state_dict` (or a ``torch.optim.AdamW`` state dict for AdamW groups),
         taking this rank's slices; no communication, any world size. A parameter missing from
-        ``state`` starts from zeros; AdamW members of one bucket must share one step count."""
+        ``state`` has not stepped yet (zeros, AdamW step 0); each AdamW parameter keeps its own step."""
         if state_dict.get("_indexed"):
             saved = {int(k): v for k, v in state_dict["state"].items()}
             self._load_groups(state_dict["param_groups"], "load_full_state_dict")
@@ -953,12 +1125,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 continue
             acc, dev = unit.grad_shard.dtype, unit.grad_shard.device
             if lay.kind == "adamw":
-                steps = {int(float(saved[m.index]["step"])) for m in present}
-                if len(steps) != 1:
-                    raise ValueError(f"load_full_state_dict: parameters {[m.index for m in present]} share a "
-                                     f"bucket but have different steps {sorted(steps)}")
                 lo, hi = lay.owner_range(rank)
-                st: dict[str, Any] = {"step": steps.pop()}
+                st: dict[str, Any] = {"steps": [int(float(saved[m.index]["step"])) if m.index in saved else 0
+                                                for m in lay.members]}
                 for key in ("exp_avg", "exp_avg_sq"):
                     shard = torch.zeros(lay.shard_numel, dtype=acc, device=dev)
                     for m in present:

@@ -158,7 +158,7 @@ class TpRekls(REKLS):
                  state_dtype: torch.dtype | None = None) -> None:
         super().__init__(params, lr, betas, shampoo_beta, eps, weight_decay, first_step=first_step,
                          max_precond_dim=max_precond_dim, state_dtype=state_dtype)
-        self.tp_comm = self._resolve_comm(tp_comm)
+        self.tp_comm = self._resolve_comm(tp_comm).private("tp_rekls")  # its own process group
         self._validated: tuple | None = None
         self._owners_cache: dict[tuple[int, ...], list[int]] = {}
 

@@ -13,7 +13,12 @@ State layout (per rank, GTP group of N ranks):
   zeros forever: their gradient is zero, so weights and optimizer state there stay exactly zero;
 * the shard's gradient is accumulated into ``param.grad`` (shard-sized) by the deferred finalize;
 * small parameters (biases, norms) are plain replicated parameters; their grads are all-reduced over
-  the GTP group (``avg`` in mean mode, ``sum`` in sum mode) by :func:`reduce_grads`.
+  the GTP group (``avg`` in mean mode, ``sum`` in sum mode) at the end of every backward, as DDP does
+  (one coalesced all-reduce, tag ``gtp:replicated``, with :func:`reduce_grads`' semantics for ``None``
+  grads; not inside :meth:`GTPRuntime.no_sync`);
+* parameter identity: :func:`shard_linears` / :func:`shard_embeddings` keep the user's ``Parameter``
+  objects (the weight's ``.data`` becomes the shard, the bias is the same object), so an optimizer
+  built before sharding trains every tensor.
 
 Communication pattern per microbatch, all through ``Comm`` on the GTP group (ledger tags in quotes):
 
@@ -59,15 +64,19 @@ the ``Comm`` reduce-scatter's own receive buffer on gloo (one padded wgrad per i
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
+import weakref
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lowband.comm import Comm, CommHandle
 from lowband.parallel.gtp_cache import GTPBufferCache
@@ -118,6 +127,14 @@ class GTPOptions:
             changes (quantize once per optimizer step instead of at every gather; costs 1/2 resp.
             ~1/4 of the shard bytes per weight, held all step). Default off: re-quantize per gather,
             as FSDP2's mixed-precision cast does.
+        state_timeout: seconds a state collective (:meth:`GTPRuntime.full_weight`,
+            :func:`~lowband.parallel.unsharded_copy`, :class:`~lowband.parallel.gtp_state.GTPStateLayout`)
+            waits for the other ranks before it fails with :class:`GTPCollectiveError` (they run on a
+            private group of their own, ``gtp_state``, with this timeout).
+        check_grad_edits: refuse, at the next ``optimizer.step()``, gradients that code outside lowband
+            changed after GTP reduced them (``torch.nn.utils.clip_grad_norm_`` clips each rank by the
+            norm of its own shards). Elementwise edits that are the same on every rank
+            (``clip_grad_value_``, a scale) are exact: pass ``False`` to allow them.
     """
 
     gather_format: str = "native"
@@ -129,6 +146,8 @@ class GTPOptions:
     grad_wire_dtype: torch.dtype | None = None
     record_events: bool = False
     cache_wire_shard: bool = False
+    state_timeout: float = 60.0
+    check_grad_edits: bool = True
 
     def __post_init__(self) -> None:
         check_format(self.gather_format)
@@ -138,7 +157,7 @@ class GTPOptions:
             else:
                 raise TypeError(f"GTPOptions.fp8_block must be a BlockSpec or (rows, cols), got "
                                 f"{self.fp8_block!r}")
-        for name in ("prefetch", "async_reduction", "record_events", "cache_wire_shard"):
+        for name in ("prefetch", "async_reduction", "record_events", "cache_wire_shard", "check_grad_edits"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"GTPOptions.{name} must be a bool, got {getattr(self, name)!r}")
         d = self.finalize_depth
@@ -146,6 +165,9 @@ class GTPOptions:
             raise ValueError(f"GTPOptions.finalize_depth must be an int >= 0, got {d!r}")
         if self.grad_mode not in GRAD_MODES:
             raise ValueError(f"GTPOptions.grad_mode {self.grad_mode!r} not in {GRAD_MODES}")
+        t = self.state_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ValueError(f"GTPOptions.state_timeout must be a number of seconds > 0, got {t!r}")
         if self.grad_wire_dtype not in (None, torch.float32, torch.float64, torch.bfloat16):
             raise ValueError(f"GTPOptions.grad_wire_dtype {self.grad_wire_dtype} not in "
                              "(None, torch.float32, torch.float64, torch.bfloat16)")
@@ -168,12 +190,25 @@ class GTPWeight:
         self.fwd_pending: _Gather | None = None
         self.bwd_pending: _Gather | None = None
         self.needs_bwd_gather = True
+        self.used = False  # consumed by a grad-enabled forward since the last sync_replicated_grads
         self._wire_key: tuple[int, int] | None = None
         self._wire_src: torch.Tensor | None = None
 
     @property
     def pad(self) -> int:
         return self.padded_out - self.out_features
+
+    def __deepcopy__(self, memo: dict) -> GTPWeight:
+        """The copy of a deep-copied GTP layer: registered with the copied runtime, its shard the copied
+        parameter (marked ``.gtp``), no per-step state."""
+        runtime = copy.deepcopy(self.runtime, memo)
+        param = copy.deepcopy(self.param, memo)
+        new = GTPWeight(runtime, len(runtime.weights), self.name, param, self.out_features, self.in_features,
+                        self.padded_out)
+        memo[id(self)] = new
+        param.gtp = new
+        runtime.weights.append(new)
+        return new
 
     @property
     def shard_slice(self) -> slice:
@@ -209,7 +244,11 @@ class GTPRuntime:
     """Shared state of all GTP weights of one model on one GTP group: chain, cache, FIFO, log.
 
     Args:
-        comm: the GTP group (e.g. ``build_mesh(...).gtp``).
+        comm: the GTP group (e.g. ``build_mesh(...).gtp``). The runtime runs every collective on
+            ``comm.private("gtp")``, a process group of its own with the same members and ledger
+            name (created here, among the members: every rank of the group must construct the
+            runtime), so no collective the user issues on ``comm``'s group can pair with a GTP
+            gather or reduce-scatter.
         options: :class:`GTPOptions` (keyword overrides are also accepted).
     """
 
@@ -218,10 +257,18 @@ class GTPRuntime:
             options = GTPOptions(**overrides)
         elif overrides:
             raise TypeError("GTPRuntime: pass either options or keyword overrides, not both")
-        self.comm = comm
+        self.comm = comm.private("gtp")
+        # state collectives (unsharded_copy, checkpoints) on a group of their own with a bounded
+        # timeout: a rank that enters one alone fails within options.state_timeout, not 30 minutes
+        self.state_comm = comm.private("gtp_state", timeout=timedelta(seconds=options.state_timeout))
         self.options = options
         self.size = comm.size
         self.rank = comm.rank
+        self._models: list[nn.Module] = []  # attached models: their replicated grads are reduced in backward
+        self._hooked: set[int] = set()
+        self._no_sync_depth = 0
+        self._grad_records: list[tuple[nn.Parameter, torch.Tensor, int]] = []
+        _RUNTIMES.add(self)
         self.weights: list[GTPWeight] = []
         self.order: list[GTPWeight] = []
         self.frozen = False
@@ -235,6 +282,132 @@ class GTPRuntime:
         self._post_drain_hooks: list[Callable[[], None]] = []
         self.passes = 0
         self._local_state_depth = 0
+
+    # ------------------------------------------------------------------------------ replicated grads
+    def attach(self, model: nn.Module) -> None:
+        """Average ``model``'s replicated gradients over the GTP group at the end of every backward.
+
+        :func:`shard_linears` / :func:`shard_embeddings` attach the model they convert; call it
+        yourself for a model built from :class:`GTPLinear` layers directly (or call
+        :func:`sync_replicated_grads` once, which attaches it). Idempotent, no collective.
+        """
+        if not any(m is model for m in self._models):
+            self._models.append(model)
+        for p in model.parameters():
+            if not is_gtp_param(p) and id(p) not in self._hooked:
+                self._hooked.add(id(p))
+                p.register_post_accumulate_grad_hook(_queue_hook(self))
+
+    def attached_replicated(self) -> list[nn.Parameter]:
+        """The replicated (non-GTP) parameters of the attached models, deduplicated, in model order."""
+        seen: set[int] = set()
+        out = []
+        for m in self._models:
+            for p in m.parameters():
+                if not is_gtp_param(p) and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """As ``DistributedDataParallel.no_sync``: backwards inside accumulate the replicated gradients
+        locally (no all-reduce); the first backward after the context averages the accumulated sum.
+        GTP shard gradients are reduce-scattered in every backward regardless (that is how they are
+        computed; the sum is the same)."""
+        self._no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+
+    def _queue_end(self) -> None:
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+            self._callback_queued = True
+
+    def _reduce_replicated(self, params: list[nn.Parameter]) -> None:
+        op = "avg" if self.options.grad_mode == "mean" else "sum"
+        weights = self.weights
+        try:
+            mixed = _reduce_grads(self.comm, params, op, tag="gtp:replicated", wire_dtype=None,
+                                  extra_flags=[gw.used for gw in weights])
+        except RuntimeError as e:
+            raise GTPCollectiveError(
+                f"GTP: the all-reduce of the replicated gradients over group {self.comm.name!r} (size "
+                f"{self.size}) failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}. Every rank "
+                "of the GTP group must run the same forwards and backwards of a GTP model, using the same "
+                "GTP layers") from e
+        if mixed is None:
+            return  # no trainable replicated parameter: nothing sent, flags not checked
+        for gw in weights:
+            gw.used = False
+        if any(mixed):
+            names = [gw.name for gw, m in zip(weights, mixed, strict=True) if m]
+            raise GTPCollectiveError(
+                f"GTP: weights {names} were used in this step's forward by some ranks of group "
+                f"{self.comm.name!r} (size {self.size}) but not by all; a GTP weight is gathered and "
+                "reduce-scattered collectively, so its collectives paired with other weights' collectives "
+                "of the other ranks and this step's gradients are wrong. Keep conditionally used layers "
+                "replicated (shard_linears(..., include=...)) or run every GTP layer on every rank")
+
+    # ------------------------------------------------------------------------------ grad edits
+    def record_grads(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        """Remember the gradients GTP (or lowband) wrote, to notice a later edit by code outside lowband.
+
+        ``params=None``: every shard and attached replicated parameter (replacing the records); else
+        refresh the records of ``params`` only (lowband code that rewrote those gradients)."""
+        if params is None:
+            ps: list[torch.Tensor] = [gw.param for gw in self.weights] + self.attached_replicated()
+            self._grad_records = [(p, p.grad, p.grad._version) for p in ps if p.grad is not None]
+            return
+        ids = {id(p) for p in params}
+        self._grad_records = [(p, p.grad, p.grad._version) if id(p) in ids and p.grad is not None else (p, g, v)
+                              for p, g, v in self._grad_records]
+
+    def check_grad_edits(self, params: set[int] | None = None) -> None:
+        """Raise :class:`GTPStateError` if a recorded gradient (of ``params``, default all) was changed
+        in place or replaced since GTP wrote it (``None``, i.e. ``zero_grad()``, is fine). No collective."""
+        if not self.options.check_grad_edits or self.size == 1:
+            return
+        for p, g, v in self._grad_records:
+            if params is not None and id(p) not in params:
+                continue
+            if p.grad is None:
+                continue
+            if p.grad is not g or g._version != v:
+                gw = getattr(p, "gtp", None)
+                what = f"GTP weight {gw.name!r}" if gw is not None else "a replicated parameter"
+                raise GTPStateError(
+                    f"GTP: the gradient of {what} was changed after backward by code outside lowband "
+                    "(e.g. torch.nn.utils.clip_grad_norm_, which clips each rank by the norm of its own "
+                    "shards, so ranks step differently); use lowband.parallel.clip_grad_norm_(model, "
+                    "max_norm) (the global norm, as under DDP), or GTPOptions(check_grad_edits=False) for "
+                    "elementwise edits that are the same on every rank (clip_grad_value_, a scale)")
+
+    def __deepcopy__(self, memo: dict) -> GTPRuntime:
+        """A copy for a deep-copied model (an EMA copy): same groups and options, its own chain, buffer
+        pool and weights (filled as the copied layers' :class:`GTPWeight` are copied). The copy's
+        forwards gather the copy's shards, so every rank of the group must run them, as for the original."""
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            setattr(new, k, v)
+        new.weights, new.order, new.frozen = [], [], False
+        new.cache, new.events, new._fifo = GTPBufferCache(), [], deque()
+        new._fwd_seen, new._bwd_done, new._extra = set(), set(), {}
+        new._callback_queued, new._post_drain_hooks, new.passes = False, [], 0
+        new._models, new._hooked, new._grad_records = [], set(), []
+        new._no_sync_depth, new._local_state_depth = 0, 0
+        _RUNTIMES.add(new)
+        for m in self._models:
+            if id(m) in memo:
+                new._attach_later = [*getattr(new, "_attach_later", []), memo[id(m)]]
+        return new
+
+    def _finish_copy(self) -> None:
+        for m in self.__dict__.pop("_attach_later", []):
+            self.attach(m)
 
     @contextlib.contextmanager
     def local_state(self) -> Iterator[None]:
@@ -259,10 +432,12 @@ class GTPRuntime:
                 "reshards across GTP sizes) or lowband.parallel.unsharded_copy(model) for a plain model")
 
     # ------------------------------------------------------------------------------ registration
-    def register(self, full_weight: torch.Tensor, name: str) -> GTPWeight:
+    def register(self, full_weight: torch.Tensor, name: str, *, adopt: nn.Parameter | None = None) -> GTPWeight:
         """Shard ``full_weight [out, in]`` (same value on every rank) and return its :class:`GTPWeight`.
 
-        No collective. Raises ``ValueError`` if the shape breaks the fp8 block rule.
+        ``adopt``: a user's ``nn.Parameter`` to become the shard (its ``.data`` re-pointed to the shard,
+        its ``.grad`` dropped), so an optimizer built before sharding holds the shard. No collective.
+        Raises ``ValueError`` if the shape breaks the fp8 block rule.
         """
         if full_weight.dim() != 2:
             raise ValueError(f"GTP weight {name!r}: expected a 2-D [out, in] weight, got shape "
@@ -278,7 +453,12 @@ class GTPRuntime:
         hi = min(lo + shard_rows, out)
         if hi > lo:
             shard[: hi - lo].copy_(full_weight.detach()[lo:hi])
-        param = nn.Parameter(shard, requires_grad=full_weight.requires_grad)
+        if adopt is not None:
+            param = adopt
+            param.grad = None
+            param.data = shard
+        else:
+            param = nn.Parameter(shard, requires_grad=full_weight.requires_grad)
         gw = GTPWeight(self, len(self.weights), name, param, out, inp, padded_out)
         param.gtp = gw  # marks the parameter as a GTP shard
         self.weights.append(gw)
@@ -346,13 +526,19 @@ class GTPRuntime:
             raise GTPCollectiveError(self._collective_message(gw, direction, e)) from e
         return _Gather(gw, direction, consume, ticket, parity, buf, handle)
 
-    def _collective_message(self, gw: GTPWeight, direction: str, err: BaseException) -> str:
-        return (f"GTP: the all-gather of weight {gw.name!r} ({direction}) over group {self.comm.name!r} "
-                f"(size {self.size}) failed: {str(err).splitlines()[0] if str(err) else type(err).__name__}. "
+    def _collective_message(self, gw: GTPWeight, direction: str, err: BaseException,
+                            op: str = "all-gather") -> str:
+        timeout = self.comm.timeout
+        within = f", process-group timeout {timeout.total_seconds():g} s" if timeout is not None else ""
+        return (f"GTP: the {op} of weight {gw.name!r} ({direction}) over group {self.comm.name!r} "
+                f"(size {self.size}; lowband's private GTP process group{within}) failed: "
+                f"{str(err).splitlines()[0] if str(err) else type(err).__name__}. "
                 "Every rank of the GTP group must run every forward and backward of a GTP model together; "
-                "a forward on a subset of ranks (e.g. evaluation on rank 0 only) cannot gather sharded "
-                "weights. Evaluate on every rank, or build a plain model with "
-                "lowband.parallel.unsharded_copy(model) (called on every rank) and evaluate that alone")
+                "a forward on a subset of ranks (e.g. evaluation on rank 0 only while the others wait in a "
+                "barrier), or a GTP layer used by some ranks only (a data-dependent branch), cannot gather "
+                "sharded weights. Evaluate on every rank, or build a plain model with "
+                "lowband.parallel.unsharded_copy(model) (called on every rank) and evaluate that alone; "
+                "keep conditionally used layers replicated (shard_linears(..., include=...))")
 
     def _complete(self, g: _Gather) -> tuple[torch.Tensor, Callable[[], None]]:
         """Wait for a gather; return the logical ``[out, in]`` weight and its release function."""
@@ -380,19 +566,40 @@ class GTPRuntime:
         for attr in ("fwd_pending", "bwd_pending"):
             g = getattr(gw, attr)
             if g is not None:
-                g.handle.wait()
+                try:
+                    g.handle.wait()
+                except RuntimeError as e:
+                    setattr(gw, attr, None)
+                    raise GTPCollectiveError(self._collective_message(gw, g.direction, e)) from e
                 self.cache.release(g.buf)
                 setattr(gw, attr, None)
 
     def gather_for_inference(self, gw: GTPWeight) -> tuple[torch.Tensor, Callable[[], None]]:
         """On-demand synchronous gather outside the chain (``torch.no_grad`` forwards)."""
+        self._finish_copy()
+        gw.used = True
         return self._complete(self._issue_gather(gw, "eval", "eval", async_op=False))
 
+    def state_gather(self, out: torch.Tensor, shard: torch.Tensor, what: str, tag: str = "gtp:state") -> None:
+        """All-gather ``shard`` into ``out`` on the state group (:attr:`GTPOptions.state_timeout`); a
+        rank that enters it alone gets one line of :class:`GTPCollectiveError` within that time."""
+        try:
+            self.state_comm.all_gather(out, shard, tag=tag)
+        except RuntimeError as e:
+            raise GTPCollectiveError(
+                f"GTP: the state all-gather of {what} over group {self.comm.name!r} (size {self.size}) did "
+                f"not complete within {self.options.state_timeout:g} s "
+                f"({str(e).splitlines()[0] if str(e) else type(e).__name__}): unsharded_copy(model), "
+                "GTPStateLayout.state_dict() and full_weight() are collective, call them on every rank of "
+                "the GTP group (then use the result on rank 0 alone); GTPOptions(state_timeout=...) sets "
+                "the wait") from None
+
     def full_weight(self, gw: GTPWeight) -> torch.Tensor:
-        """The logical (unpadded) full weight in the parameter dtype (a collective; tag "gtp:state")."""
+        """The logical (unpadded) full weight in the parameter dtype (a collective on the state group,
+        tag "gtp:state"; fails within :attr:`GTPOptions.state_timeout` if a rank does not join)."""
         p = gw.param.detach()
         out = torch.empty(gw.padded_out, gw.in_features, dtype=p.dtype, device=p.device)
-        self.comm.all_gather(out, p.contiguous(), tag="gtp:state")
+        self.state_gather(out, p.contiguous(), f"weight {gw.name!r}")
         return out[: gw.out_features].clone()
 
     # ------------------------------------------------------------------------------ forward
@@ -404,6 +611,8 @@ class GTPRuntime:
         consume of ``gw`` in this pass, ``("x", k)`` for the k-th extra one.
         """
         self.cache.phase = "fwd"
+        self._finish_copy()
+        gw.used = True
         if gw.uid not in self._fwd_seen:
             self._fwd_seen.add(gw.uid)
             if not self.frozen and gw.index is None:
@@ -431,9 +640,7 @@ class GTPRuntime:
     def begin_backward(self) -> None:
         """Called at the start of every GTP backward: queue the end-of-backward drain once."""
         self.cache.phase = "bwd"
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-            self._callback_queued = True
+        self._queue_end()
 
     def acquire_backward(self, gw: GTPWeight, consume: Hashable
                          ) -> tuple[torch.Tensor, Callable[[], None]]:
@@ -476,15 +683,21 @@ class GTPRuntime:
         is_head = main and gw.index == 0
         async_op = self.options.async_reduction and self.frozen and not is_head
         self._log("rs_issue", "bwd", gw, async_op)
-        handle = self.comm.reduce_scatter(out, wbuf, wire_dtype=self.options.grad_wire_dtype,
-                                          async_op=async_op, tag="gtp:rs")
+        try:
+            handle = self.comm.reduce_scatter(out, wbuf, wire_dtype=self.options.grad_wire_dtype,
+                                              async_op=async_op, tag="gtp:rs")
+        except RuntimeError as e:
+            raise GTPCollectiveError(self._collective_message(gw, "bwd", e, "reduce-scatter")) from e
         self._fifo.append(_PendingRS(gw, handle, wbuf, out))
         limit = self.options.finalize_depth if async_op else 0
         while len(self._fifo) > limit:
             self._finalize(self._fifo.popleft())
 
     def _finalize(self, pend: _PendingRS) -> None:
-        pend.handle.wait()
+        try:
+            pend.handle.wait()
+        except RuntimeError as e:
+            raise GTPCollectiveError(self._collective_message(pend.gw, "bwd", e, "reduce-scatter")) from e
         p = pend.gw.param
         if p.grad is None:
             p.grad = pend.out.clone()
@@ -520,8 +733,14 @@ class GTPRuntime:
         self.passes += 1
 
     def _on_backward_end(self) -> None:
+        """End of a backward: drain the reduce-scatters, then (as DDP does in every backward outside
+        ``no_sync``) average the attached models' replicated gradients, with the GTP used flags, in one
+        all-reduce (tag ``gtp:replicated``); record the gradients for :meth:`check_grad_edits`."""
         self._callback_queued = False
         self.end_pass()
+        if self._models and not self._no_sync_depth:
+            self._reduce_replicated(self.attached_replicated())
+        self.record_grads()
         for fn in self._post_drain_hooks:
             fn()
 
@@ -536,6 +755,42 @@ class GTPRuntime:
         self.order = []
         self.frozen = False
         self.cache.clear()
+
+
+_RUNTIMES: weakref.WeakSet[GTPRuntime] = weakref.WeakSet()
+
+
+def _queue_hook(runtime: GTPRuntime) -> Callable[[torch.Tensor], None]:
+    ref = weakref.ref(runtime)
+
+    def hook(_p: torch.Tensor) -> None:
+        rt = ref()
+        if rt is not None:
+            rt._queue_end()
+
+    return hook
+
+
+def note_grads(params: Iterable[torch.Tensor]) -> None:
+    """lowband code rewrote the ``.grad`` of ``params`` (a reduction, the global clip): refresh the
+    records :meth:`GTPRuntime.check_grad_edits` compares against. No collective."""
+    params = list(params)
+    for rt in list(_RUNTIMES):
+        if rt._grad_records:
+            rt.record_grads(params)
+
+
+def _step_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Before every ``optimizer.step()``: refuse gradients of GTP models edited outside lowband."""
+    if not _RUNTIMES:
+        return
+    ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for rt in list(_RUNTIMES):
+        if rt._grad_records:
+            rt.check_grad_edits(ids)
+
+
+register_optimizer_step_pre_hook(_step_pre_hook)
 
 
 class _GTPLinearFunction(torch.autograd.Function):
@@ -646,7 +901,8 @@ class GTPLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, runtime: GTPRuntime, bias: bool = True, *,
                  name: str = "", weight: torch.Tensor | None = None, bias_init: torch.Tensor | None = None,
-                 device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
+                 device: torch.device | None = None, dtype: torch.dtype | None = None,
+                 _adopt: nn.Linear | None = None) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
@@ -657,10 +913,13 @@ class GTPLinear(nn.Module):
         elif tuple(weight.shape) != (out_features, in_features):
             raise ValueError(f"GTPLinear {name!r}: weight shape {tuple(weight.shape)} != "
                              f"({out_features}, {in_features})")
-        self.gtp = runtime.register(weight, name or f"gtp{len(runtime.weights)}")
+        self.gtp = runtime.register(weight, name or f"gtp{len(runtime.weights)}",
+                                    adopt=None if _adopt is None else _adopt.weight)
         self.weight = self.gtp.param
         _guard_state(self)
-        if bias:
+        if _adopt is not None and _adopt.bias is not None:
+            self.bias = _adopt.bias  # the user's own bias object (replicated, unchanged)
+        elif bias:
             if bias_init is None:
                 bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
                 bias_init = torch.empty(out_features, device=weight.device,
@@ -670,12 +929,24 @@ class GTPLinear(nn.Module):
             self.register_parameter("bias", None)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, runtime: GTPRuntime, name: str = "") -> GTPLinear:
-        """A GTP copy of ``linear`` (same values; ``linear`` itself is left untouched)."""
+    def from_linear(cls, linear: nn.Linear, runtime: GTPRuntime, name: str = "", *,
+                    adopt: bool = False) -> GTPLinear:
+        """A GTP copy of ``linear`` (same values and ``requires_grad`` of weight and bias; ``linear``
+        itself is left untouched), or with ``adopt=True`` (what :func:`shard_linears` does) a GTP layer
+        that keeps ``linear``'s own ``Parameter`` objects: the weight's ``.data`` becomes this rank's
+        shard and the bias is shared, so an optimizer built before sharding trains them (``linear``
+        must not be used afterwards).
+
+        A frozen weight (``requires_grad=False``) becomes a frozen shard: its backward still gathers
+        it for the input gradient (dgrad) when the input needs one, but computes no weight gradient
+        and issues no reduce-scatter; it never gets a ``.grad``."""
         mod = cls(linear.in_features, linear.out_features, runtime, bias=linear.bias is not None,
                   name=name, weight=linear.weight.detach(),
-                  bias_init=None if linear.bias is None else linear.bias.detach())
+                  bias_init=None if linear.bias is None else linear.bias.detach(),
+                  _adopt=linear if adopt else None)
         mod.weight.requires_grad_(linear.weight.requires_grad)
+        if linear.bias is not None:
+            mod.bias.requires_grad_(linear.bias.requires_grad)
         return mod
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -704,7 +975,7 @@ class GTPEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, runtime: GTPRuntime, *, name: str = "",
                  weight: torch.Tensor | None = None, device: torch.device | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, _adopt: nn.Parameter | None = None) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.runtime = runtime
@@ -714,18 +985,21 @@ class GTPEmbedding(nn.Module):
         elif tuple(weight.shape) != (num_embeddings, embedding_dim):
             raise ValueError(f"GTPEmbedding {name!r}: weight shape {tuple(weight.shape)} != "
                              f"({num_embeddings}, {embedding_dim})")
-        self.gtp = runtime.register(weight, name or f"gtp{len(runtime.weights)}")
+        self.gtp = runtime.register(weight, name or f"gtp{len(runtime.weights)}", adopt=_adopt)
         self.weight = self.gtp.param
         _guard_state(self)
 
     @classmethod
-    def from_embedding(cls, emb: nn.Embedding, runtime: GTPRuntime, name: str = "") -> GTPEmbedding:
-        """A GTP copy of a plain ``emb`` (raises ``ValueError`` for the unsupported options)."""
+    def from_embedding(cls, emb: nn.Embedding, runtime: GTPRuntime, name: str = "", *,
+                       adopt: bool = False) -> GTPEmbedding:
+        """A GTP copy of a plain ``emb`` (raises ``ValueError`` for the unsupported options); with
+        ``adopt=True`` (what :func:`shard_embeddings` does) ``emb.weight`` itself becomes the shard."""
         if (emb.padding_idx is not None or emb.max_norm is not None or emb.sparse
                 or emb.scale_grad_by_freq):
             raise ValueError(f"GTPEmbedding {name!r}: padding_idx, max_norm, sparse and "
                              "scale_grad_by_freq are not supported; leave this embedding replicated")
-        mod = cls(emb.num_embeddings, emb.embedding_dim, runtime, name=name, weight=emb.weight.detach())
+        mod = cls(emb.num_embeddings, emb.embedding_dim, runtime, name=name, weight=emb.weight.detach(),
+                  _adopt=emb.weight if adopt else None)
         mod.weight.requires_grad_(emb.weight.requires_grad)
         return mod
 
@@ -810,7 +1084,7 @@ def _replace_modules(model: nn.Module, kind: type, make: Callable[[Any, str], An
 
 
 def _agree(model: nn.Module, runtime: GTPRuntime, init_sync: bool, sync_comm: Comm | None) -> Callable[[], None]:
-    comm = sync_comm if sync_comm is not None else runtime.comm
+    comm = sync_comm.private("gtp") if sync_comm is not None else runtime.comm  # lowband's own group
 
     def run() -> None:
         if init_sync:
@@ -841,9 +1115,12 @@ def shard_embeddings(model: nn.Module, runtime: GTPRuntime,
     Arguments, tied-weight handling and the initial-weight agreement (after every check, before the
     first replacement) as for :func:`shard_linears`.
     """
-    return _replace_modules(model, nn.Embedding, lambda m, name: GTPEmbedding.from_embedding(m, runtime, name=name),
+    done = _replace_modules(model, nn.Embedding,
+                            lambda m, name: GTPEmbedding.from_embedding(m, runtime, name=name, adopt=True),
                             include, tied, "shard_embeddings", lambda m, name: _check_embedding(runtime, m, name),
                             _agree(model, runtime, init_sync, sync_comm))
+    runtime.attach(model)
+    return done
 
 
 def shard_linears(model: nn.Module, runtime: GTPRuntime,
@@ -858,7 +1135,7 @@ def shard_linears(model: nn.Module, runtime: GTPRuntime,
     Tied weights (:func:`lowband.plan.tied_groups`): a linear whose weight or bias is shared with
     another module (e.g. an output head tied to the token embedding) is left replicated
     (``tied="replicate"``: its gradient is averaged over the GTP group with the other replicated
-    parameters by :func:`sync_replicated_grads`, as data parallelism would) or refused by name
+    parameters at the end of every backward, as data parallelism would) or refused by name
     (``tied="error"``).
 
     Initial weights: the shards are cut from the model each rank holds, so every rank of the group
@@ -868,9 +1145,11 @@ def shard_linears(model: nn.Module, runtime: GTPRuntime,
     exchange and raises ``ValueError`` on every rank if they differ. Every check (tied weights, fp8
     block rule) runs before that collective, on every rank alike.
     """
-    return _replace_modules(model, nn.Linear, lambda m, name: GTPLinear.from_linear(m, runtime, name=name),
+    done = _replace_modules(model, nn.Linear, lambda m, name: GTPLinear.from_linear(m, runtime, name=name, adopt=True),
                             include, tied, "shard_linears", lambda m, name: _check_weight(runtime, m.weight, name),
                             _agree(model, runtime, init_sync, sync_comm))
+    runtime.attach(model)
+    return done
 
 
 def plan_filter(plan: ModelPlan) -> Callable[[str, nn.Module], bool]:
@@ -890,35 +1169,90 @@ def replicated_params(model: nn.Module) -> list[nn.Parameter]:
 
 def reduce_grads(comm: Comm, params: Iterable[torch.Tensor], op: str = "avg", *, tag: str = "grad",
                  wire_dtype: torch.dtype | None = None) -> None:
-    """One coalesced all-reduce of the ``.grad`` of ``params`` over ``comm`` (``None`` grads count as 0).
+    """One coalesced all-reduce (per dtype) of the ``.grad`` of ``params`` over ``comm``, with
+    PyTorch's semantics for parameters that got no gradient.
 
-    Used for replicated params over the GTP group (``avg`` in mean mode, ``sum`` in sum mode) and for
-    all grads over the DP group. Every rank must pass the same parameters in the same order.
+    As ``DistributedDataParallel(find_unused_parameters=True)`` followed by a ``torch.optim``
+    optimizer: a parameter whose ``.grad`` is ``None`` on some ranks contributes zeros there and every
+    rank gets the reduced gradient; a parameter whose ``.grad`` is ``None`` on *every* rank keeps
+    ``.grad = None``, so the optimizer skips it (no moment decay, no weight decay, no step count).
+    Parameters with ``requires_grad=False`` are left out.
+
+    Communication: one all-reduce per parameter dtype (``op``: ``avg`` or ``sum``; ``wire_dtype``
+    as :meth:`Comm.all_reduce`), tag ``tag``, whose buffer is the flat gradients followed by one
+    *used* flag per parameter (``1`` if this rank has a ``.grad``): ``sum(numel) + len(params)``
+    elements. Every rank must pass the same parameters in the same order.
     """
+    _reduce_grads(comm, params, op, tag=tag, wire_dtype=wire_dtype)
+
+
+def _reduce_grads(comm: Comm, params: Iterable[torch.Tensor], op: str, *, tag: str,
+                  wire_dtype: torch.dtype | None, extra_flags: list[bool] | None = None) -> list[bool] | None:
+    """:func:`reduce_grads`; ``extra_flags`` (one bool per item, this rank's) travel in the first
+    dtype's all-reduce too. Returns, per extra flag, whether it was set on *every* rank and the
+    ranks disagree (``True``: mixed), or ``None`` if no all-reduce ran (no trainable param)."""
     params = [p for p in params if p.requires_grad]
     if not params:
-        return
-    dtypes = {p.dtype for p in params}
-    for dtype in sorted(dtypes, key=str):
+        return None
+    dtypes = sorted({p.dtype for p in params}, key=str)
+    mixed: list[bool] | None = None
+    for di, dtype in enumerate(dtypes):
         group = [p for p in params if p.dtype == dtype]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                          for p in group])
-        comm.all_reduce(flat, op, wire_dtype=wire_dtype, tag=tag)
+        extra = extra_flags if (di == 0 and extra_flags) else []
+        flags = [p.grad is not None for p in group] + list(extra)
+        numel = sum(p.numel() for p in group)
+        flat = torch.empty(numel + len(flags), dtype=dtype, device=group[0].device)
         off = 0
         for p in group:
             n = p.numel()
-            g = flat[off:off + n].view_as(p)
             if p.grad is None:
-                p.grad = g.clone()
+                flat[off:off + n].zero_()
             else:
-                p.grad.copy_(g)
+                flat[off:off + n].copy_(p.grad.reshape(-1))
             off += n
+        flat[numel:].copy_(torch.tensor(flags, dtype=dtype))
+        comm.all_reduce(flat, op, wire_dtype=wire_dtype, tag=tag)
+        # A flag reduces to exactly 0 when no rank set it (zeros stay zeros under any wire dtype);
+        # set on every rank it reduces to N (sum) or 1 (avg), both exact in the wire dtype used here
+        # when N is (bf16: N <= 256), the reduced value rounded like the flag went on the wire.
+        full = float(comm.size if op == "sum" else 1)
+        wire = wire_dtype or dtype
+        full = float(torch.tensor(full, dtype=torch.float64).to(wire).to(torch.float64))
+        got = flat[numel:].tolist()
+        used = [g != 0.0 for g in got[: len(group)]]
+        if extra:
+            mixed = [g != 0.0 and g != full for g in got[len(group):]]
+        off = 0
+        for p, u in zip(group, used, strict=True):
+            n = p.numel()
+            if u:
+                g = flat[off:off + n].view_as(p)
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+            off += n
+    note_grads(params)
+    return mixed
 
 
 def sync_replicated_grads(runtime: GTPRuntime, model: nn.Module) -> None:
-    """All-reduce the grads of ``model``'s replicated params over the GTP group (mode-dependent op)."""
-    op = "avg" if runtime.options.grad_mode == "mean" else "sum"
-    reduce_grads(runtime.comm, replicated_params(model), op, tag="gtp:replicated")
+    """Kept for existing scripts; a no-op for a model GTP already reduces in backward.
+
+    GTP averages the replicated parameters' gradients itself at the end of every backward, as DDP does
+    (see :meth:`GTPRuntime.attach`; :func:`shard_linears` / :func:`shard_embeddings` attach the model),
+    so after ``backward()`` returns there is nothing left to do and this call sends nothing. For a
+    model built from :class:`GTPLinear` layers directly and never attached, it attaches ``model`` (later
+    backwards reduce by themselves) and reduces this backward's gradients now: one all-reduce (tag
+    ``gtp:replicated``) with :func:`reduce_grads`' semantics for ``None`` grads, carrying one flag per
+    GTP weight (consumed by a grad-enabled forward on this rank): a GTP weight consumed by some ranks
+    of the group but not all raises :class:`GTPCollectiveError` on every rank, naming it.
+    """
+    covered = {id(p) for p in runtime.attached_replicated()}
+    if all(id(p) in covered for p in replicated_params(model)):
+        return
+    runtime.attach(model)
+    runtime._reduce_replicated(replicated_params(model))
 
 
 def gather_buffer_bytes(runtime: GTPRuntime, gw: GTPWeight) -> int:

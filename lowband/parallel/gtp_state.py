@@ -40,9 +40,11 @@ from lowband.parallel.gtp import GTPWeight, is_gtp_param
 
 def gather_logical(gw: GTPWeight, shard: torch.Tensor, *, tag: str = "gtp:state") -> torch.Tensor:
     """The whole, unpadded ``[out_features, in_features]`` tensor of which ``shard`` is this rank's padded
-    row shard of ``gw`` (one all-gather over the weight's GTP group, ``tag``; collective)."""
+    row shard of ``gw`` (one all-gather over the weight's GTP group, on its state group with
+    :attr:`~lowband.parallel.gtp.GTPOptions.state_timeout`, ``tag``; collective)."""
     out = torch.empty(gw.padded_out, gw.in_features, dtype=shard.dtype, device=shard.device)
-    gw.runtime.comm.all_gather(out, shard.detach().reshape(gw.shard_rows, gw.in_features).contiguous(), tag=tag)
+    gw.runtime.state_gather(out, shard.detach().reshape(gw.shard_rows, gw.in_features).contiguous(),
+                            f"{gw.name!r}", tag=tag)
     return out[: gw.out_features].clone()
 
 

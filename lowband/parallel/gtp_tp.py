@@ -48,6 +48,7 @@ class GTPColumnParallelLinear(nn.Module):
     def __init__(self, linear: nn.Linear, tp_comm: Comm, runtime: GTPRuntime, *,
                  gather_output: bool = False, name: str = "") -> None:
         super().__init__()
+        tp_comm = tp_comm.private("tp")  # the TP layers' own process group (see lowband.parallel.tensor)
         n, r = tp_comm.size, tp_comm.rank
         _check_tp_split("GTPColumnParallelLinear: out_features", linear.out_features, n)
         self.tp_comm, self.gather_output = tp_comm, gather_output
@@ -57,6 +58,9 @@ class GTPColumnParallelLinear(nn.Module):
             local.weight.copy_(linear.weight.chunk(n, 0)[r])
             if linear.bias is not None:
                 local.bias.copy_(linear.bias.chunk(n, 0)[r])
+        local.weight.requires_grad_(linear.weight.requires_grad)
+        if linear.bias is not None:
+            local.bias.requires_grad_(linear.bias.requires_grad)
         self.inner = GTPLinear.from_linear(local, runtime, name=name)
         mark_partition(self.inner.weight, 0, tp_comm, (linear.out_features, linear.in_features))
         if self.inner.bias is not None:
@@ -85,6 +89,7 @@ class GTPRowParallelLinear(nn.Module):
     def __init__(self, linear: nn.Linear, tp_comm: Comm, runtime: GTPRuntime, *,
                  input_is_parallel: bool = True, name: str = "") -> None:
         super().__init__()
+        tp_comm = tp_comm.private("tp")
         n, r = tp_comm.size, tp_comm.rank
         _check_tp_split("GTPRowParallelLinear: in_features", linear.in_features, n)
         self.tp_comm, self.input_is_parallel = tp_comm, input_is_parallel
@@ -92,9 +97,11 @@ class GTPRowParallelLinear(nn.Module):
                           dtype=linear.weight.dtype, device=linear.weight.device)
         with torch.no_grad():
             local.weight.copy_(linear.weight.chunk(n, 1)[r])
+        local.weight.requires_grad_(linear.weight.requires_grad)
         self.inner = GTPLinear.from_linear(local, runtime, name=name)
         mark_partition(self.inner.weight, 1, tp_comm, (linear.out_features, linear.in_features))
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(),
+                                                                  requires_grad=linear.bias.requires_grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = self.tp_comm.size

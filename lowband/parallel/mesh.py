@@ -23,7 +23,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from lowband.comm import Comm, CommLedger, new_group
+from lowband.comm import Comm, CommLedger, group_timeout, new_group
 
 AXES = ("replica", "dp", "gtp", "tp")
 
@@ -190,7 +190,10 @@ def build_mesh(*, replica: int = 1, dp: int | None = None, gtp: int = 1, tp: int
     Args:
         replica, dp, gtp, tp: axis sizes; ``dp=None`` takes the rest of the world.
         ledger: ledger for the axis ``Comm`` objects (default: the process-wide one).
-        timeout: process-group timeout for the subgroups.
+        timeout: process-group timeout for the subgroups (default: the default group's own timeout,
+            as ``init_process_group(timeout=...)`` set it; torch's ``new_group`` would otherwise
+            give every subgroup its 30-minute default, so a rank-divergent collective on a subgroup
+            would hang for half an hour however short the user made the world's timeout).
 
     Raises:
         ValueError / TypeError: bad sizes (before any group is created, identically on every rank).
@@ -205,6 +208,8 @@ def build_mesh(*, replica: int = 1, dp: int | None = None, gtp: int = 1, tp: int
         for axis in AXES:
             comms[axis] = Comm(None, name=axis, ledger=ledger)
     else:
+        if timeout is None:
+            timeout = group_timeout(None)
         for axis in AXES:
             for ranks in shape.group_ranks(axis):
                 c = new_group(ranks, axis, ledger=ledger, timeout=timeout)

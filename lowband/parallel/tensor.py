@@ -21,6 +21,11 @@ Each parameter carries its layout for optimizers (e.g. :class:`lowband.optim.tp_
 ``param.partition_dim`` (0 = rows of the dense tensor, 1 = columns, ``None`` = replicated) and
 ``param.tp_comm`` (the TP :class:`Comm`). ``param.full_shape`` is the dense shape.
 
+Communicator: the layers run their collectives on ``tp_comm.private("tp")``, one process group of
+their own shared by every TP layer built on the same ``Comm`` (created, among the TP group's
+members, with the first layer), so collectives the user issues on the TP group can never pair with
+them; ``param.tp_comm`` is that private ``Comm`` (``param.tp_comm.parent`` is the one passed in).
+
 Initialization: the dense weight is drawn like ``torch.nn.Linear`` from the global RNG (or the given
 generator) and sliced, so every TP rank must be in the same RNG state (``torch.manual_seed`` with the
 same seed) to build the same dense layer; :meth:`from_dense` slices an existing ``nn.Linear``.
@@ -104,7 +109,7 @@ def _comm_or_local(tp_comm: Comm | None) -> Comm:
     if not isinstance(tp_comm, Comm):
         raise TypeError(f"tensor-parallel layer: tp_comm must be a lowband.comm.Comm, got "
                         f"{type(tp_comm).__name__}")
-    return tp_comm
+    return tp_comm.private("tp")
 
 
 def _check_split(what: str, features: int, size: int) -> None:
@@ -246,6 +251,9 @@ class ColumnParallelLinear(nn.Module):
             layer.weight.copy_(linear.weight.chunk(n, 0)[r])
             if linear.bias is not None:
                 layer.bias.copy_(linear.bias.chunk(n, 0)[r])
+        layer.weight.requires_grad_(linear.weight.requires_grad)  # a frozen layer stays frozen
+        if linear.bias is not None:
+            layer.bias.requires_grad_(linear.bias.requires_grad)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -307,6 +315,9 @@ class RowParallelLinear(nn.Module):
             layer.weight.copy_(linear.weight.chunk(n, 1)[r])
             if linear.bias is not None:
                 layer.bias.copy_(linear.bias)
+        layer.weight.requires_grad_(linear.weight.requires_grad)  # a frozen layer stays frozen
+        if linear.bias is not None:
+            layer.bias.requires_grad_(linear.bias.requires_grad)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -338,7 +349,7 @@ class TPInputGather(nn.Module):
     def __init__(self, module: nn.Module, comm: Comm) -> None:
         super().__init__()
         self.module = module
-        self.comm = comm
+        self.comm = comm.private("tp")
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         if self.comm.size == 1:

@@ -85,7 +85,7 @@ def shard_tp(model: nn.Module, plan: ModelPlan, comm: Comm, *, init_sync: bool =
     tp = comm.size
     plan.check_tp(tp)
     mods = {pl.module: _check_linear(model, pl, tp) for pl in plan.parallel_linears}
-    agree = sync_comm if sync_comm is not None else comm
+    agree = (sync_comm if sync_comm is not None else comm).private("tp")  # lowband's own group
     if init_sync:
         sync_module_state(model, agree)
     else:

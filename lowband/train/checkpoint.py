@@ -13,8 +13,18 @@ Save protocol (every rank calls it at the same step): rank 0 clears ``.tmp-step-
 ``dcp.save`` (or ``dcp.async_save`` in a background thread, on its own gloo group) into it; then at commit
 (at once, or for async when the next save starts or the run ends) a barrier, rank 0 writes the marker into
 the temporary folder and ``os.replace`` s it to ``step-N``, deletes all but the newest ``keep_last``
-committed checkpoints and stale temporary folders, and a final barrier. A crash at any point before the
-rename leaves only ``.tmp-step-N``, which no load considers: the previous checkpoint stays the latest.
+committed checkpoints *of this run's lineage* and stale temporary folders, checks that ``step-N`` is on disk,
+and a final barrier.
+
+Ownership: every marker records a ``lineage`` id. A fresh run starts a new one, a resumed run continues the
+loaded checkpoint's. Before loading or saving, rank 0 lists the committed checkpoints in the folder the run
+would not continue (another lineage's, or its own past the resumed step): the run is refused with one line
+unless ``checkpoint.overwrite``, which deletes exactly those after the run's first save. Pruning never
+touches another lineage. The marker also records ``data_fingerprint`` (:func:`data_fingerprint` of the
+training tokens); resuming on other data is refused unless ``checkpoint.allow_data_change``.
+
+A crash at any point before the rename leaves only ``.tmp-step-N``, which no load considers: the previous
+checkpoint stays the latest.
 
 Load protocol: rank 0 reads the marker, checks that every recorded file is there with the recorded size
 (and SHA-256 when ``checkpoint.verify``), and shares the result with every rank (one ``all_gather_object``),
@@ -31,7 +41,8 @@ What is saved (one DCP state dict):
     ``rng_rank<r mod saved_world>``.
 
 Communication: DCP's own gather/scatter of plans and metadata on the world group (not counted in the
-training ledger), plus barriers and one ``all_gather_object`` on the metrics ``Comm`` (and, per save, the
+training ledger), plus barriers and one ``all_gather_object`` on the metrics ``Comm`` (one more at the start
+for the ownership and data checks, tag ``ckpt``; and, per save, the
 trainer's ``extra_state`` gather of its byte counters, also on the metrics ``Comm``).
 """
 
@@ -46,6 +57,7 @@ import pickle
 import random
 import shutil
 import time
+import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -73,6 +85,7 @@ MARKER = "lowband_checkpoint.json"
 STEP_PREFIX = "step-"
 TMP_PREFIX = ".tmp-step-"
 OLD_PREFIX = ".old-step-"
+START_OVER = "start over (checkpoint.resume = none with checkpoint.overwrite = true, or another checkpoint.dir)"
 
 
 class CheckpointError(ValueError):
@@ -230,6 +243,26 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def lineage_of(meta: dict[str, Any]) -> str:
+    """The lineage id a marker records ("" for checkpoints written before lineages existed)."""
+    value = meta.get("lineage")
+    return value if isinstance(value, str) else ""
+
+
+def data_fingerprint(tokens: Any) -> str:
+    """``sha256-<hex>``: SHA-256 of the token ids in order, as little-endian uint16 when every id is below 65536
+    (all of lowband's sources), else uint32, hashed in chunks of 4 Mi tokens; the same ids give the same
+    fingerprint whatever their array dtype. About 0.35 s per 100 M tokens on one core with SHA instructions."""
+    arr = np.asarray(tokens).reshape(-1)
+    wide = arr.dtype != np.uint16 and arr.size > 0 and int(arr.max()) >= 1 << 16
+    wire = np.dtype("<u4" if wide else "<u2")
+    h = hashlib.sha256()
+    step = 1 << 22
+    for i in range(0, arr.size, step):
+        h.update(memoryview(np.ascontiguousarray(arr[i:i + step], dtype=wire)).cast("B"))
+    return f"sha256-{h.hexdigest()}"
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -263,8 +296,11 @@ def verify_files(path: str | os.PathLike, meta: dict[str, Any], *, hashes: bool 
                                   "recorded SHA-256")
 
 
-def describe_mismatch(saved: dict[str, Any], expected: dict[str, Any]) -> list[str]:
-    """Human-readable differences between a checkpoint's marker and what this run expects."""
+def describe_mismatch(saved: dict[str, Any], expected: dict[str, Any], *,
+                      allow_data_change: bool = False) -> list[str]:
+    """Human-readable differences between a checkpoint's marker and what this run expects (the data's source
+    and token count not, with ``allow_data_change``; the data fingerprint is rank 0's check, in
+    :meth:`TrainCheckpointer.resume`)."""
     diffs = []
     if saved.get("state_format") != expected["state_format"]:
         diffs.append(f"strategy: checkpoint {saved.get('strategy')!r} (state format "
@@ -292,12 +328,13 @@ def describe_mismatch(saved: dict[str, Any], expected: dict[str, Any]) -> list[s
                              f"{list(ep[name][0])} {ep[name][1]}")
     if "seed" in saved and "seed" in expected and saved["seed"] != expected["seed"]:
         diffs.append(f"run.seed: checkpoint {saved['seed']!r}, this run {expected['seed']!r} (the data order "
-                     "follows the seed; resume with the checkpoint's run.seed, or set checkpoint.resume = none)")
+                     f"follows the seed; resume with the checkpoint's run.seed, or {START_OVER})")
     sd, ed = saved.get("data"), expected.get("data")
-    if isinstance(sd, dict) and isinstance(ed, dict) and sd != ed:
+    if isinstance(sd, dict) and isinstance(ed, dict) and sd != ed and not allow_data_change:
         diffs.append(f"data: checkpoint trained on {sd.get('train_tokens')!r} tokens of data.source = "
                      f"{sd.get('source')!r}, this run has {ed.get('train_tokens')!r} tokens of {ed.get('source')!r} "
-                     "(other data: the data position would not match)")
+                     "(other data: the data position would not match; checkpoint.allow_data_change = true resumes "
+                     "anyway)")
     if saved.get("global_batch") != expected["global_batch"]:
         diffs.append(f"global batch (data.batch_size x world size): checkpoint {saved.get('global_batch')!r}, "
                      f"this run {expected['global_batch']!r} (the data position would not match)")
@@ -332,6 +369,10 @@ class CheckpointManager:
         self.async_save = bool(async_save)
         self.verify = bool(verify)
         self._pending: tuple[Future, int, Path, dict[str, Any]] | None = None
+        self.lineage = uuid.uuid4().hex
+        """This run's lineage id (written into every marker; only this lineage is pruned). A fresh one by
+        default; :meth:`adopt` sets the resumed checkpoint's."""
+        self._replace: dict[str, tuple[str, Any]] = {}
         self._async_group = None
         if self.async_save and _distributed() and dist.get_world_size() > 1:
             # DCP's background thread runs its own collectives; a separate group keeps them from
@@ -434,10 +475,14 @@ class CheckpointManager:
         old = self.directory / f"{OLD_PREFIX}{step}"
         if final.exists():
             try:
-                read_marker(final)
+                existing = read_marker(final)
             except CheckpointError as e:  # never overwrite an unreadable checkpoint silently
                 aside = move_aside(final)
                 warn(f"{e}; moved it to {aside.name!r} before saving step {step} there")
+            else:
+                if not self.owns(CheckpointInfo(final, step, existing)) and not self._replaceable(final, existing):
+                    raise CheckpointError(f"{str(final)!r} holds a checkpoint this run did not write (lineage "
+                                          f"{lineage_of(existing) or 'unrecorded'!r}); it is left as it is")
         if final.exists():  # re-saving a step (e.g. a resumed run ending where it started)
             if old.exists():
                 shutil.rmtree(old)
@@ -447,14 +492,56 @@ class CheckpointManager:
         if old.exists():
             shutil.rmtree(old, ignore_errors=True)
         self._prune()
+        if not (final / MARKER).is_file():
+            raise CheckpointError(f"checkpoint {str(final)!r} is not on disk after its commit (removed by someone "
+                                  "else?)")
+
+    # -- ownership ----------------------------------------------------------------------------------
+
+    def adopt(self, lineage: str, replace: list[tuple[str, str, Any]] | None = None) -> None:
+        """Continue ``lineage`` (the resumed checkpoint's, or a fresh one), and (rank 0) delete the committed
+        checkpoints ``replace`` names (``(folder name, lineage, saved_at)``, what :meth:`foreign` returned
+        when the user asked to replace them) after this run's first successful save."""
+        self.lineage = lineage
+        self._replace = {name: (lin, saved_at) for name, lin, saved_at in (replace or [])}
+
+    def owns(self, c: CheckpointInfo) -> bool:
+        """Whether checkpoint ``c`` belongs to this run's lineage (and is not one it was told to replace)."""
+        return lineage_of(c.meta) == self.lineage and not self._replaceable(c.path, c.meta)
+
+    def _replaceable(self, path: Path, meta: dict[str, Any]) -> bool:
+        rec = self._replace.get(path.name)
+        return (rec is not None and path.parent == self.directory and rec == (lineage_of(meta), meta.get("saved_at")))
+
+    def foreign(self, lineage: str, resumed_step: int | None) -> list[CheckpointInfo]:
+        """Committed checkpoints in the directory a run of ``lineage`` resumed at ``resumed_step`` (``None``:
+        a fresh run) does not continue: another lineage's, or its own lineage's past the resumed step."""
+        return [c for c in list_checkpoints(self.directory)
+                if resumed_step is None or lineage_of(c.meta) != lineage or c.step > resumed_step]
 
     def _prune(self) -> None:
-        """Rank 0: keep the newest ``keep_last`` committed checkpoints; drop stale temporary folders."""
-        for c in list_checkpoints(self.directory)[:-self.keep_last]:
+        """Rank 0: keep the newest ``keep_last`` checkpoints of this lineage, delete the checkpoints this run was
+        told to replace, and drop stale temporary folders. Nothing else is touched: other lineages'
+        checkpoints, ``*.unreadable`` folders, and an ``.old-step-<N>`` whose ``step-<N>`` is missing (a commit
+        cut short between its two renames), which is renamed back."""
+        for c in [c for c in list_checkpoints(self.directory) if self.owns(c)][:-self.keep_last]:
             shutil.rmtree(c.path, ignore_errors=True)
+        for c in list_checkpoints(self.directory):
+            if self._replaceable(c.path, c.meta):
+                shutil.rmtree(c.path, ignore_errors=True)
+        self._replace = {}
         for child in self.directory.iterdir():
-            if child.is_dir() and (child.name.startswith(TMP_PREFIX) or child.name.startswith(OLD_PREFIX)):
+            if not child.is_dir():
+                continue
+            if child.name.startswith(TMP_PREFIX):
                 shutil.rmtree(child, ignore_errors=True)
+            elif child.name.startswith(OLD_PREFIX):
+                step = _step_of(child.name, OLD_PREFIX)
+                target = self.directory / f"{STEP_PREFIX}{step}"
+                if step is not None and not target.exists():
+                    os.replace(child, target)
+                else:
+                    shutil.rmtree(child, ignore_errors=True)
 
     def close(self) -> None:
         """Collective: commit any in-flight async save."""
@@ -575,6 +662,7 @@ class TrainCheckpointer:
             self.manager = CheckpointManager(self.directory, env.metrics_comm, keep_last=c.keep_last,
                                              async_save=c.async_save, verify=c.verify)
         self.resumed_from: CheckpointInfo | None = None
+        self._fingerprint: str | None = None
 
     def expected_meta(self) -> dict[str, Any]:
         """What this run would write into a marker (and requires of a checkpoint it loads)."""
@@ -603,7 +691,10 @@ class TrainCheckpointer:
                    "extra": self.extra_state() if self.extra_state is not None else None}
         state = self._state(self.env.rank, pickle.dumps(trainer), pickle.dumps(rng_state()))
         try:
-            self.manager.save(step, state, self.expected_meta())
+            meta = self.expected_meta()
+            if self.env.rank == 0:  # rank 0 writes the marker
+                meta.update(lineage=self.manager.lineage, data_fingerprint=self.data_fingerprint())
+            self.manager.save(step, state, meta)
         except CheckpointSaveError as e:
             if getattr(self.cfg.checkpoint, "on_save_error", "stop") == "continue":
                 if self.env.is_main:
@@ -617,21 +708,93 @@ class TrainCheckpointer:
         """Whether to save after ``step`` steps (``final``: the run ends or stops here)."""
         return self.every > 0 and (final or step % self.every == 0)
 
+    def data_fingerprint(self) -> str:
+        """:func:`data_fingerprint` of the training tokens (computed once; rank 0 alone needs it)."""
+        if self._fingerprint is None:
+            self._fingerprint = data_fingerprint(self.loader.tokens)
+        return self._fingerprint
+
+    def _claim(self, info: CheckpointInfo | None) -> None:
+        """Collective (one ``all_gather_object`` on the metrics ``Comm``, tag ``ckpt``): rank 0 decides this
+        run's lineage (the resumed checkpoint's, else a fresh id), compares the training data's fingerprint
+        with the resumed checkpoint's, and (when saving) lists the checkpoints in ``checkpoint.dir`` this run
+        does not continue; every rank gets the same verdict or the same :class:`CheckpointError`."""
+        assert self.manager is not None
+        c = self.cfg.checkpoint
+        verdict: tuple[str, Any] = ("ok", None)
+        if self.env.rank == 0:
+            try:
+                verdict = ("ok", self._claim_rank0(info))
+            except CheckpointError as e:
+                verdict = ("error", str(e))
+            except OSError as e:  # every rank must learn of it (no rank may wait alone in the gather)
+                verdict = ("error", f"checkpoint.dir {str(self.manager.directory)!r} cannot be read "
+                                    f"({e.strerror or e})")
+        verdict = self.manager.comm.all_gather_object(verdict, tag="ckpt")[0]
+        if verdict[0] == "error":
+            raise CheckpointError(verdict[1])
+        lineage, replace, notes = verdict[1]
+        self.manager.adopt(lineage, replace if self.env.rank == 0 and c.overwrite else None)
+        if self.env.is_main:
+            for line in notes:
+                warn(line)
+
+    def _claim_rank0(self, info: CheckpointInfo | None) -> tuple[str, list[tuple[str, str, Any]], list[str]]:
+        assert self.manager is not None
+        c = self.cfg.checkpoint
+        notes: list[str] = []
+        lineage = lineage_of(info.meta) if info is not None else uuid.uuid4().hex
+        if info is not None:
+            saved_fp, ours = info.meta.get("data_fingerprint"), self.data_fingerprint()
+            if isinstance(saved_fp, str) and saved_fp != ours:
+                sd = info.meta.get("data", {})
+                what = (f"checkpoint {str(info.path)!r} was trained on other data: data fingerprint {saved_fp} "
+                        f"({sd.get('train_tokens')!r} tokens of data.source = {sd.get('source')!r}), this run's "
+                        f"{ours} ({int(np.asarray(self.loader.tokens).size)} tokens of {self.cfg.data.source!r})")
+                if not c.allow_data_change:
+                    raise CheckpointError(f"{what}; resume with the checkpoint's data, set checkpoint."
+                                          f"allow_data_change = true to train on with these, or {START_OVER}")
+                notes.append(f"{what}; training on with this run's data (checkpoint.allow_data_change = true)")
+        if self.every <= 0:
+            return lineage, [], notes
+        foreign = self.manager.foreign(lineage, None if info is None else info.step)
+        if not foreign:
+            return lineage, [], notes
+        other = [f.path.name for f in foreign if info is None or lineage_of(f.meta) != lineage]
+        newer = [f.path.name for f in foreign if info is not None and lineage_of(f.meta) == lineage]
+        parts = ([f"{', '.join(other)} (written by another run)"] if other else []) + \
+                ([f"{', '.join(newer)} (newer than the resumed step {info.step})"] if newer and info else [])
+        held = f"checkpoint.dir {str(self.manager.directory)!r} holds checkpoints this run would not continue: " \
+               + "; ".join(parts)
+        if not c.overwrite:
+            hint = "resume from them (checkpoint.resume = latest), " if info is None else ""
+            raise CheckpointError(f"{held}; {hint}choose another checkpoint.dir, or set checkpoint.overwrite = "
+                                  "true to replace them (deleted after this run's first save)")
+        notes.append(f"{held}; checkpoint.overwrite = true: this run's first save deletes them")
+        return lineage, [(f.path.name, lineage_of(f.meta), f.meta.get("saved_at")) for f in foreign], notes
+
     def resume(self) -> int:
-        """Collective: load the configured checkpoint if any; return the step to continue from (0 = fresh)."""
-        if not self.wants_resume or self.manager is None:
+        """Collective: load the configured checkpoint if any; return the step to continue from (0 = fresh).
+
+        Before loading, and also for a fresh run that saves, :meth:`_claim` settles this run's lineage and
+        refuses a checkpoint folder holding checkpoints this run would not continue (unless
+        ``checkpoint.overwrite``) and a checkpoint of other training data (unless
+        ``checkpoint.allow_data_change``)."""
+        if self.manager is None:
             return 0
         c = self.cfg.checkpoint
-        info = self.manager.inspect(None if c.resume == "latest" else c.resume)
+        info = self.manager.inspect(None if c.resume == "latest" else c.resume) if self.wants_resume else None
         if info is None:
+            if self.every > 0:
+                self._claim(None)
             return 0
-        diffs = describe_mismatch(info.meta, self.expected_meta())
+        diffs = describe_mismatch(info.meta, self.expected_meta(), allow_data_change=c.allow_data_change)
         if diffs:
             raise CheckpointError(f"checkpoint {str(info.path)!r} does not match this run: " + "; ".join(diffs))
         if info.step > self.cfg.run.steps:
             raise CheckpointError(f"checkpoint {str(info.path)!r} is at step {info.step}, past run.steps = "
-                                  f"{self.cfg.run.steps}; raise run.steps to train on from it, or set "
-                                  "checkpoint.resume = none to start over")
+                                  f"{self.cfg.run.steps}; raise run.steps to train on from it, or {START_OVER}")
+        self._claim(info)
         saved_world = int(info.meta.get("world_size", 1))
         self.strategy.prepare_resume()
         state = self._state(self.env.rank % saved_world)
@@ -639,8 +802,11 @@ class TrainCheckpointer:
         self.strategy.load_state_dict(state["strategy"])
         trainer = pickle.loads(state["trainer"])
         self.scheduler.load_state_dict(trainer["scheduler"])
+        loader_state = dict(trainer["loader"])
+        if c.allow_data_change:  # the position carries over onto the new tokens
+            loader_state.pop("n_tokens", None)
         try:
-            self.loader.load_state_dict(trainer["loader"])
+            self.loader.load_state_dict(loader_state)
         except ValueError as e:
             raise CheckpointError(f"checkpoint {str(info.path)!r} does not match this run's data: {e}") from e
         if self.guard is not None and trainer.get("guard") is not None:

@@ -27,7 +27,7 @@ class RunConfig:
     """The run: its name and directory, length, logging, world size, device and dtype."""
 
     name: str = "run"
-    """Run name; the run directory is ``<out_dir>/<name>``."""
+    """Run name; the run directory is ``<out_dir>/<name>``: one folder name (not empty, no ``/``, not ``..``)."""
     out_dir: str = "runs"
     """Where run directories go."""
     seed: int = 0
@@ -58,6 +58,11 @@ class RunConfig:
     """At the end of the run write the final model, unsharded, to ``<run dir>/model.safetensors`` plus
     ``model.json`` (how to rebuild it): load with ``lowband.load_trained``, sample with ``python -m
     lowband.sample`` (docs/cli.md); false = no model file."""
+    check_replicas_every: int = 100
+    """Every this many steps check that ranks meant to hold the same weights still hold the same bits
+    (:func:`lowband.consistency.check_replicas`: one all-gather of ``2 + 4 x tensors`` int64 checksums per rank;
+    GTP/TP shards compared among the ranks holding the same shard, DiLoCo replicas not with each other); a
+    drift ends the run (exit 1) naming the first parameter that differs. 0 = off."""
 
 
 @dataclass(kw_only=True)
@@ -98,8 +103,9 @@ class DataConfig:
     """builtin (Python's own docs, built at run time) | text (your UTF-8 files, data.path) | bin (speedrun .bin
     shards)."""
     path: str = ""
-    """A UTF-8 text file or a glob of them (source = text): byte-tokenized into cached .bin shards under
-    ``$LOWBAND_CACHE_DIR`` (default ``~/.cache/lowband``) ``/text-<key>/``, rebuilt when a file changes."""
+    """A UTF-8 text file or a glob of them (source = text; refused with another source): byte-tokenized into
+    cached .bin shards under ``$LOWBAND_CACHE_DIR`` (default ``~/.cache/lowband``) ``/text-<key>/``, rebuilt
+    when a file changes."""
     val_fraction: float = 0.05
     """Share of the text token stream, taken from its end, that is the validation split (source = text)."""
     train_bin: str = ""
@@ -159,6 +165,11 @@ class StrategyConfig:
     """Gradient bucket size in MB (ddp, sharded-*, diloco's inner data parallelism)."""
     grad_wire_dtype: str = "float32"
     """Gradients travel as float32 | bfloat16 (the reduction accumulates in fp32): ddp, sharded-*, gtp, diloco."""
+    find_unused_parameters: bool = False
+    """ddp (and diloco.inner = ddp): torch DDP's find_unused_parameters, needed by a model with parameters that
+    get no gradient on some steps (branches, MoE routing, early exits): such a parameter is averaged with
+    zeros where unused, left untouched where no rank used it (an extra graph walk per step). Without it DDP
+    stops at the first such step naming this key. Other strategies handle such parameters without it."""
 
     def __getattr__(self, key: str) -> Any:
         if key in MOVED_KEYS.get("strategy", {}):
@@ -304,6 +315,11 @@ class CheckpointConfig:
     """Record SHA-256 of every checkpoint file at save and check it (rank 0) before loading."""
     on_save_error: str = "stop"
     """A save that fails (disk full, permission): stop (exit 1) | continue (warn, keep training)."""
+    overwrite: bool = False
+    """Let this run replace checkpoints in ``dir`` it does not continue (another run's, or ones newer than the
+    resumed step); they are deleted after this run's first save. false = such a folder is refused."""
+    allow_data_change: bool = False
+    """Resume although the training data differ from the checkpoint's (fingerprint, source or token count)."""
 
 
 @dataclass(kw_only=True)
@@ -362,7 +378,7 @@ POSITIVE: tuple[str, ...] = (
     "gtp.fp8_block", "gtp.muon_bucket_mb",
 )
 NON_NEGATIVE: tuple[str, ...] = (
-    "checkpoint.every", "gtp.size", "gtp.finalize_depth", "tp.size",
+    "checkpoint.every", "run.check_replicas_every", "gtp.size", "gtp.finalize_depth", "tp.size",
     "run.val_every", "run.threads", "model.bigram_rows", "optim.weight_decay", "optim.warmup_steps",
     "optim.min_lr_ratio", "optim.grad_clip", "optim.eps", "optim.muon_lr", "optim.muon_momentum",
 )
@@ -472,7 +488,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} not found")
         try:
-            data = tomllib.loads(p.read_text())
+            data = tomllib.loads(p.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r} is not UTF-8 text: byte 0x{e.object[e.start]:02x} at offset "
+                              f"{e.start} ({e.reason}); save it as UTF-8") from e
+        except OSError as e:
+            raise ConfigError(f"config file {str(p)!r} cannot be read ({e.strerror or e})") from e
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from e
         for section, values in data.items():
@@ -501,6 +522,18 @@ def _get(cfg: Config, dotted: str) -> Any:
     return getattr(getattr(cfg, section), key)
 
 
+def check_run_name(name: str) -> None:
+    """``run.name`` names one folder inside ``run.out_dir``: not empty, no path separator, not ``.``/``..``."""
+    import os
+
+    seps = {"/", os.sep} | ({os.altsep} if os.altsep else set())
+    if not name.strip():
+        raise ConfigError("run.name is empty; give the run a name (its directory is <run.out_dir>/<run.name>)")
+    if name in (".", "..") or any(c in name for c in seps) or "\0" in name:
+        raise ConfigError(f"run.name = {name!r} is not a folder name inside run.out_dir (no '/', '.' or '..'): "
+                          "put the directory part in run.out_dir instead")
+
+
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Range and cross-field checks; ``world_size`` (when known) is checked against the strategy.
 
@@ -526,6 +559,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         v = _get(cfg, k)
         if v not in allowed:
             raise ConfigError(f"{k} must be one of {', '.join(allowed)}; got {v!r}")
+    check_run_name(cfg.run.name)
+    if cfg.data.path and cfg.data.source != "text":
+        raise ConfigError(f"data.path = {cfg.data.path!r} is read only when data.source = text, but data.source = "
+                          f"{cfg.data.source}; set data.source = text to train on it, or remove data.path")
     m = cfg.model
     if m.n_embd % m.n_head:
         raise ConfigError(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")

@@ -194,6 +194,15 @@ def _write(model: nn.Module, meta: dict[str, Any], run_dir: Path) -> Path:
     return weights
 
 
+def _cause(e: BaseException) -> str:
+    """One phrase for a failed write: ``OSError: no space left on device (writing '.../model.safetensors.tmp')``."""
+    if isinstance(e, OSError) and e.strerror:
+        where = f" (writing {str(e.filename)!r})" if e.filename else ""
+        return f"{type(e).__name__}: {e.strerror[0].lower()}{e.strerror[1:]}{where}"
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}{': ' + text[:300] if text else ''}"
+
+
 def export_model(strategy: Strategy, cfg: Config, env: DistEnv, run_dir: Path, *, step: int,
                  model_factory: ModelFactory | None = None) -> Path | None:
     """Write the run's final model to ``run_dir`` (rank 0); collective, call on every rank alike.
@@ -211,10 +220,11 @@ def export_model(strategy: Strategy, cfg: Config, env: DistEnv, run_dir: Path, *
                           model_factory=model_factory)
         try:
             path = _write(model, meta, run_dir)
-        except (OSError, ValueError, RuntimeError) as e:
-            error = f"{type(e).__name__}: {e}"
+        except Exception as e:  # OSError (disk full, permission), safetensors' own error, ...: never one rank alone
+            error = _cause(e)
     error = env.metrics_comm.all_gather_object(error, tag="export")[0]  # rank 0's verdict, on every rank
     if error:
-        raise ExportError(f"writing the final model to {str(run_dir)!r} failed on rank 0 ({error}); "
-                          "set run.export = false to skip it")
+        raise ExportError(f"writing the final model to {str(run_dir)!r} failed on rank 0 ({error}); no model file "
+                          "was written (the training itself finished; its checkpoints are kept): fix the cause (free "
+                          "some space, ...) or set run.export = false to skip it")
     return path

@@ -66,18 +66,25 @@ def lm_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, conventi
         targets: next-token ids ``(B, T)`` (``idx`` shifted by one).
         convention: ``targets`` or ``logits`` (see :func:`resolve_convention`).
     """
+    from lowband.train.models import ModelContractError, type_phrase
+
     if convention == "targets":
-        loss = _pick(model(idx, targets), "loss", 1)
+        out = model(idx, targets)
+        loss = _pick(out, "loss", 1)
         what = "the loss (a 0-d tensor), (logits, loss), or an object with .loss"
     elif convention == "logits":
-        logits = _pick(model(idx), "logits", 0)
+        out = model(idx)
+        logits = _pick(out, "logits", 0)
         if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
-            raise TypeError(f"model.forward = logits: model(idx) must return logits (B, T, vocab) or an object "
-                            f"with .logits; got {type(logits).__name__}")
+            got = type_phrase(out) if logits is None or logits is out else f"{type_phrase(out)} whose logits " \
+                f"are a {type_phrase(logits)}"
+            raise ModelContractError(f"model.forward = logits: model(idx) must return logits (B, T, vocab) or an "
+                                     f"object with .logits; got {got}")
         return next_token_loss(logits, targets)
     else:
         raise ValueError(f"lm_loss: convention must be targets or logits (resolve 'auto' first); got {convention!r}")
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        raise TypeError(f"model.forward = targets: model(idx, targets) must return {what}; got "
-                        f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")
+        got = type_phrase(out) if loss is None or loss is out else f"{type_phrase(out)} whose loss is a " \
+            f"{type_phrase(loss)}"
+        raise ModelContractError(f"model.forward = targets: model(idx, targets) must return {what}; got {got}")
     return loss

@@ -15,7 +15,9 @@ field or file and what to do, and the CLI exits with code 2.
   (a probe file); a warning when the checkpoint directory's free space is below the size of the last
   checkpoint there.
 * **cores**: a warning when more CPU ranks run on this machine than it has CPU cores (its affinity).
-* **lock**: the run directory (and a checkpoint directory outside it) is locked (``lowband.train.lock``).
+* **cache**: the data cache root (``$LOWBAND_CACHE_DIR`` or ``~/.cache/lowband``) is a writable directory.
+* **lock**: the run directory and the checkpoint directory (also inside it) are locked (``lowband.train.lock``);
+  a lock path of the wrong kind (the run directory a file, ``.lowband.lock`` a folder) is refused first.
 
 :func:`local_checks` runs them in one process (the self-launcher, before it starts any rank).
 :func:`collective_checks` is for ranks started by ``torchrun``: rank 0 runs the filesystem and data
@@ -201,14 +203,42 @@ def check_dirs(cfg: Config) -> list[str]:
 
 
 def lock_dirs(cfg: Config) -> list[Path]:
-    """The run directory, and the checkpoint directory when saving into one outside it."""
+    """The run directory, then the checkpoint directory when saving: always its own lock, also when it lies
+    inside a run directory, so ``checkpoint.dir`` naming another live run's checkpoint folder is refused."""
     rd = run_dir(cfg).resolve()
     dirs = [rd]
     if cfg.checkpoint.every > 0:
         cd = checkpoint_dir(cfg).resolve()
-        if rd != cd and rd not in cd.parents:
+        if cd != rd:
             dirs.append(cd)
     return dirs
+
+
+def check_cache_dir() -> None:
+    """The data cache root (``$LOWBAND_CACHE_DIR`` or ``~/.cache/lowband``) is, or can be made, a writable
+    directory: a file there (or above it) is a ``ConfigError`` naming the variable, not a traceback."""
+    env = os.environ.get("LOWBAND_CACHE_DIR")
+    root = Path(env) if env else Path.home() / ".cache" / "lowband"
+    _check_writable(root, "LOWBAND_CACHE_DIR" if env else
+                    "the data cache directory (~/.cache/lowband; set LOWBAND_CACHE_DIR to move it)")
+
+
+def check_lock_paths(cfg: Config) -> None:
+    """Each directory :func:`lock_dirs` locks is a directory (or can be made one), and its lock file
+    (``.lowband.lock``), if present, is a regular file: a folder or a device there is a ``ConfigError``
+    naming it, raised before the lock is taken."""
+    from lowband.train.lock import LOCK_NAME
+
+    for d in lock_dirs(cfg):
+        field = "run directory (<run.out_dir>/<run.name>)" if d == run_dir(cfg).resolve() else "checkpoint.dir"
+        if d.exists() and not d.is_dir():
+            raise ConfigError(f"{field}: {str(d)!r} exists and is not a directory; remove it or choose another "
+                              "run.name / run.out_dir")
+        lock = d / LOCK_NAME
+        if (lock.exists() or lock.is_symlink()) and not lock.is_file():
+            kind = "a directory" if lock.is_dir() else "not a regular file"
+            raise ConfigError(f"run lock {str(lock)!r} is {kind}, not a lowband lock file; remove it (lowband "
+                              "writes that name itself) and start again")
 
 
 def local_checks(cfg: Config, world: int, local_ranks: int) -> None:
@@ -222,9 +252,15 @@ def local_checks(cfg: Config, world: int, local_ranks: int) -> None:
     if w:
         warn(w)
     check_device(cfg, local_ranks)
-    check_data(cfg, world)
+    check_cache_dir()
+    try:
+        check_data(cfg, world)
+    except OSError as e:  # a data file or cache entry the checks above could not foresee
+        where = f" {str(e.filename)!r}" if e.filename else ""
+        raise ConfigError(f"data: cannot read or cache{where} ({e.strerror or e})") from e
     for line in check_dirs(cfg):
         warn(line)
+    check_lock_paths(cfg)
 
 
 _ERRORS = {"ConfigError": ConfigError, "ShardError": ShardError, "LockError": LockError}

@@ -70,8 +70,8 @@ def test_resume_past_run_steps_is_an_error(saved: Path, tmp_path: Path) -> None:
     proc = run_cli(cwd, "--run.steps=1", "--checkpoint.every=1")
     assert proc.returncode == 2
     assert stderr_lines(proc) == [E + "checkpoint 'runs/t/checkpoint/step-2' is at step 2, past run.steps = 1; "
-                                      "raise run.steps to train on from it, or set checkpoint.resume = none to "
-                                      "start over"]
+                                      "raise run.steps to train on from it, or start over (checkpoint.resume = "
+                                      "none with checkpoint.overwrite = true, or another checkpoint.dir)"]
     assert_no_elastic_report(proc)
 
 
@@ -81,7 +81,8 @@ def test_resume_with_another_seed_names_the_field(saved: Path, tmp_path: Path) -
     assert proc.returncode == 2
     assert stderr_lines(proc) == [E + "checkpoint 'runs/t/checkpoint/step-2' does not match this run: run.seed: "
                                       "checkpoint 0, this run 1 (the data order follows the seed; resume with the "
-                                      "checkpoint's run.seed, or set checkpoint.resume = none)"]
+                                      "checkpoint's run.seed, or start over (checkpoint.resume = none with "
+                                      "checkpoint.overwrite = true, or another checkpoint.dir))"]
     assert_no_elastic_report(proc)
     log = (cwd / "runs" / "t" / "logs" / "rank0.log").read_text()
     assert "Traceback (most recent call last)" in log and "CheckpointError" in log  # the full story is kept

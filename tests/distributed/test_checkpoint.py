@@ -140,6 +140,7 @@ def test_async_save_resumes_exactly_and_snapshots_at_save_time(shard: str, tmp_p
     assert [c.step for c in list_checkpoints(tmp_path)] == [2, 4]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
     cfg.checkpoint.resume = str(tmp_path / "step-2")
+    cfg.checkpoint.overwrite = True  # step-4 is newer than the resumed step: replacing it must be asked for
     second = run_ranks(_run, world, cfg)
     for r in range(world):
         assert second[r]["start"] == 2
@@ -210,8 +211,14 @@ def test_keep_last_and_resume_none(shard: str, tmp_path: Path) -> None:
     meta = json.loads((tmp_path / "step-5" / MARKER).read_text())
     assert meta["step"] == 5 and meta["strategy"] == "single" and meta["world_size"] == 1
     assert set(meta["files"]) >= {".metadata", "__0_0.distcp"}
-    cfg.checkpoint.resume = "none"
+    cfg.checkpoint.resume = "none"  # a fresh run into a folder of another run's checkpoints: refused ...
+    with pytest.raises(CheckpointError, match=r"holds checkpoints this run would not continue: step-4, step-5 "
+                                              r"\(written by another run\)"):
+        train(cfg, write_run_dir=False, log=False)
+    cfg.checkpoint.overwrite = True  # ... unless asked to replace them
     assert run_ranks(_run, 1, cfg)[0]["start"] == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4", "step-5"]
+    assert json.loads((tmp_path / "step-5" / MARKER).read_text())["lineage"] != meta["lineage"]
 
 
 def _resume_error(cfg: Config) -> str:

@@ -154,10 +154,7 @@ def train_and_compare(cfg: dict) -> dict:
         })
         ledger.mark_step()
         # reference: full global batch on one process
-        loss_fn(ref, idx, tgt).backward()
-        for p in ref.parameters():
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)  # documented: a missing grad counts as zero
+        loss_fn(ref, idx, tgt).backward()  # ``unused`` keeps grad None: torch leaves it untouched
         if cfg.get("clip") is not None:
             out["ref_norms"].append(torch.nn.utils.clip_grad_norm_(
                 [p for p in ref.parameters() if p.requires_grad], cfg["clip"]).item())
@@ -185,9 +182,22 @@ def train_and_compare(cfg: dict) -> dict:
     ref_params = dict(zip((id(p) for p in model.parameters()), ref.parameters()))
     state_err = 0.0
     n_state = 0
+    ref_state = {}
+    for o in ref_opts:
+        ref_state.update(o.state)
+    # every parameter torch holds state for has it here; one torch never stepped has none (AdamW), or
+    # what torch's first step would start from (zero momentum in a Muon unit that did step; step 0 and
+    # zero moments next to an fp32 master, which exists from the unit's first step)
+    assert {id(ref_params[id(p)]) for p in params if ref_params[id(p)] in ref_state} <= \
+        {id(ref_params[id(params[i])]) for i in full["state"]}
     for i, st in full["state"].items():
         rp = ref_params[id(params[i])]
-        rst = next(o.state[rp] for o in ref_opts if rp in o.state)
+        if rp not in ref_state:
+            assert set(st) in ({"momentum_buffer"}, {"momentum_buffer", "master"},
+                               {"step", "exp_avg", "exp_avg_sq", "master"}), (i, st)
+            assert all(not v.any() for k, v in st.items() if k != "master"), (i, st)
+            continue
+        rst = ref_state[rp]
         for k, v in st.items():
             if k == "master":  # fp32 master of a bf16 gather: no torch counterpart (checked elsewhere)
                 continue
@@ -199,6 +209,9 @@ def train_and_compare(cfg: dict) -> dict:
     out["state_err"] = state_err
     out["n_state_tensors"] = n_state
     out["state_bytes"] = opt.state_bytes()
+    # units holding nothing but ``unused`` (never used on any rank): no moments until a first use
+    out["never_used_units"] = [ui for ui, u in enumerate(opt.units)
+                               if all(params[m.index] is model.unused for m in u.members)]
     out["units"] = [(u.kind, u.numel, u.shard_numel, u.matrix_shape, u.real_per_rank) for u in opt.units]
     out["construction_records"] = construction_records
     out["rank"], out["world"] = rank, n
@@ -209,9 +222,16 @@ def esize(name: str) -> int:
     return torch.empty((), dtype=getattr(torch, name)).element_size()
 
 
+# flags of the "got a gradient" all-reduce: one per trainable parameter (13) and one per parameter
+# left out of the units (the frozen layer's weight and bias), uint8
+N_USED_FLAGS = 13 + 2
+
+
 def check_ledger(results: list[dict], dtype: str, wire: str | None, clip: bool,
                  param_wire: str | None = None) -> None:
-    """One RS and one AG per unit per step, exact ring-model bytes; one scalar all-reduce if clipping."""
+    """One RS and one AG per unit per step, exact ring-model bytes; on N > 1 ranks one all-reduce of
+    the uint8 used flags (``grad_used``, launched right after the last RS, so before the norm); one
+    scalar all-reduce if clipping."""
     pw = param_wire or dtype
     for res in results:
         n = res["world"]
@@ -235,11 +255,14 @@ def check_ledger(results: list[dict], dtype: str, wire: str | None, clip: bool,
                 assert rs == (f"grad:{kind}", numel, w, (n - 1) * numel * esize(w) // n)
                 assert ag == (f"param:{kind}", numel, pw, (n - 1) * numel * esize(pw) // n)
             acc = 8 if dtype == "float64" else 4
-            assert st["ar"] == ([("grad_norm", 1, 2 * (n - 1) * acc // n)] if clip else [])
+            used = [("grad_used", N_USED_FLAGS, 2 * (n - 1) * N_USED_FLAGS // n)] if n > 1 else []
+            assert st["ar"] == used + ([("grad_norm", 1, 2 * (n - 1) * acc // n)] if clip else [])
 
 
-def _expected_adamw_state_bytes(units: list, n: int, acc_bytes: int) -> int:
-    return sum(2 * numel // n * acc_bytes for kind, numel, *_ in units if kind == "adamw")
+def _expected_adamw_state_bytes(units: list, n: int, acc_bytes: int, never_used: list[int] = ()) -> int:
+    """exp_avg + exp_avg_sq of the owned shard of every AdamW unit but those never used."""
+    return sum(2 * numel // n * acc_bytes for ui, (kind, numel, *_) in enumerate(units)
+               if kind == "adamw" and ui not in never_used)
 
 
 def _hand_adamw_units_one_bucket(n: int) -> list[int]:
@@ -258,10 +281,10 @@ def test_adamw_fp64_matches_torch(world: int) -> None:
     for r in res:
         assert r["param_err"] < 1e-10, r["param_err"]
         assert r["state_err"] < 1e-10, r["state_err"]
-        assert r["n_state_tensors"] == 2 * 13  # exp_avg + exp_avg_sq for the 13 trainable params
+        assert r["n_state_tensors"] == 2 * 12  # exp_avg + exp_avg_sq for the 12 trainable params used
         assert r["frozen_unchanged"]
         assert len(r["units"]) > 2
-        assert r["state_bytes"] == _expected_adamw_state_bytes(r["units"], world, 8)
+        assert r["state_bytes"] == _expected_adamw_state_bytes(r["units"], world, 8, r["never_used_units"])
         # clipping happened at least once and the sharded norm equals torch's
         assert max(r["ref_norms"]) > cfg["clip"]
         for a, b in zip(r["norms"], r["ref_norms"]):
@@ -379,7 +402,12 @@ def test_bf16_param_gather_with_fp32_master(algo: str) -> None:
     for rank, (r, r32) in enumerate(zip(res, fp32)):
         master = sum(numel // 2 * 4 for kind, numel, *_ in units if kind == "adamw") + sum(
             real[rank] * shape[0] * shape[1] * 4 for kind, _, _, shape, real in units if kind == "muon")
-        assert r["state_bytes"] == r32["state_bytes"] + master
+        # a unit never used has no moments in the fp32 run, but with masters its first step creates
+        # the master and with it the (zero) moments
+        late = _expected_adamw_state_bytes(units, 2, 4) - _expected_adamw_state_bytes(
+            units, 2, 4, r["never_used_units"])
+        assert r32["never_used_units"] == r["never_used_units"]
+        assert r["state_bytes"] == r32["state_bytes"] + master + late
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -416,7 +444,7 @@ def _resume(full_state: dict | None, params: list | None, steps: tuple[int, int]
     opt2.load_shard_state_dict(local)
     same = all(torch.equal(opt2.state[u][k], opt.state[u][k]) for u in opt.state for k in ("exp_avg", "exp_avg_sq"))
     return {"params": [p.detach().clone() for p in model.parameters()], "full": opt.full_state_dict(),
-            "local_roundtrip": same and all(opt2.state[u]["step"] == opt.state[u]["step"] for u in opt.state)}
+            "local_roundtrip": same and all(opt2.state[u]["steps"] == opt.state[u]["steps"] for u in opt.state)}
 
 
 def _reference_adamw(steps: int) -> tuple[list, dict]:
@@ -425,9 +453,6 @@ def _reference_adamw(steps: int) -> tuple[list, dict]:
     opt = torch.optim.AdamW(adamw_groups(model), betas=(0.9, 0.95), foreach=False)
     for step in range(steps):
         loss_fn(model, *batch(step)).backward()
-        for p in model.parameters():
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)
         opt.step()
         opt.zero_grad()
     return [p.detach().clone() for p in model.parameters()], opt.state_dict()
@@ -443,6 +468,7 @@ def test_full_state_reshards_2_to_4_and_matches_torch() -> None:
     for r in second:
         for p, q in zip(r["params"], ref_params):
             torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-10)
+        assert set(r["full"]["state"]) == set(ref_state["state"])  # ``unused`` has no state in either
         for i, st in r["full"]["state"].items():
             for k in ("exp_avg", "exp_avg_sq"):
                 torch.testing.assert_close(st[k], ref_state["state"][i][k], rtol=1e-10, atol=1e-12)
@@ -496,9 +522,6 @@ def _closure_step() -> float:
     ref = TinyModel()
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
     loss_fn(ref, idx, tgt).backward()
-    for p in ref.parameters():
-        if p.requires_grad and p.grad is None:
-            p.grad = torch.zeros_like(p)
     ropt.step()
     assert loss.requires_grad is False or loss.grad_fn is not None
     return max(_rel_err(p, q) for p, q in zip(model.parameters(), ref.parameters()))

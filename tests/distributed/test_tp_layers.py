@@ -23,7 +23,10 @@ def _mlp_matches_dense(dtype_name: str) -> None:
     x = torch.randn(3, 5, 6, dtype=dtype)
     col = ColumnParallelLinear.from_dense(fc1, comm)
     row = RowParallelLinear.from_dense(fc2, comm)
-    assert col.weight.partition_dim == 0 and col.bias.partition_dim == 0 and col.weight.tp_comm is comm
+    assert col.weight.partition_dim == 0 and col.bias.partition_dim == 0
+    # the TP layers share one private Comm derived from comm (Comm.private)
+    assert col.weight.tp_comm is row.weight.tp_comm
+    assert (col.weight.tp_comm.parent or col.weight.tp_comm) is comm and col.weight.tp_comm.name == comm.name
     assert row.weight.partition_dim == 1 and row.bias.partition_dim is None
     assert col.weight.shape == (8 // n, 6) and row.weight.shape == (6, 8 // n)
     assert col.weight.full_shape == (8, 6) and row.weight.full_shape == (6, 8)

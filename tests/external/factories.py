@@ -75,3 +75,84 @@ def hf_gpt2(cfg: Config) -> tuple[nn.Module, ModelPlan]:
     torch.manual_seed(cfg.run.seed + _rank())
     model = GPT2LMHeadModel(hf_gpt2_config(cfg))
     return model, hf_gpt2_plan(model)
+
+
+
+class ConditionalLM(nn.Module):
+    """A token model with parameters that get no gradient on some steps (issue 20), for the trainer.
+
+    With ``conditional=True``: ``emb`` is a frozen embedding; ``proj`` an ordinary linear; ``branch``
+    runs only when the forward counter ``calls`` (a buffer updated in forward) is even, so on odd steps
+    no rank uses it; ``expert_a`` / ``expert_b`` route each sequence by the parity of its first token
+    (MoE-style), so a rank whose sequences all go one way leaves the other expert without a gradient
+    while another rank uses it. ``mix`` is a buffer drawn per rank at construction. With
+    ``conditional=False`` every parameter is trainable and used on every step (both experts see every
+    sequence): what GTP needs, whose layers must run on every rank of the group; ``route=False`` keeps
+    the frozen embedding and the branch but sends every sequence through both experts. ``forward(idx,
+    targets)`` returns the mean next-token cross-entropy. Built from ``nn.Linear`` / ``nn.Embedding``
+    only and returned without a plan (the plan-free GTP path shards every linear).
+    """
+
+    def __init__(self, vocab: int, dim: int, conditional: bool = True, route: bool = True) -> None:
+        import torch
+
+        super().__init__()
+        self.conditional, self.route = conditional, conditional and route
+        self.emb = nn.Embedding(vocab, dim)
+        self.emb.weight.requires_grad_(not conditional)
+        self.proj = nn.Linear(dim, dim)
+        self.branch = nn.Linear(dim, dim)
+        self.expert_a = nn.Linear(dim, dim, bias=False)
+        self.expert_b = nn.Linear(dim, dim, bias=False)
+        self.head = nn.Linear(dim, vocab)
+        self.register_buffer("mix", 0.5 + torch.rand(dim))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, idx, targets):
+        import torch
+        import torch.nn.functional as F
+
+        h = torch.tanh(self.proj(self.emb(idx) * self.mix))
+        if not self.conditional or int(self.calls) % 2 == 0:
+            h = h + torch.tanh(self.branch(h))
+        if self.route:
+            route_a = idx[:, 0] % 2 == 0
+            out = torch.zeros_like(h)
+            if bool(route_a.any()):
+                out[route_a] = torch.tanh(self.expert_a(h[route_a]))
+            if bool((~route_a).any()):
+                out[~route_a] = torch.tanh(self.expert_b(h[~route_a]))
+        else:
+            out = torch.tanh(self.expert_a(h)) + torch.tanh(self.expert_b(h))
+        logits = self.head(h + out)
+        with torch.no_grad():
+            self.calls += 1
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def conditional_lm(cfg: Config) -> nn.Module:
+    """:class:`ConditionalLM` (vocab ``model.vocab_size``, width ``model.n_embd``) with its frozen, conditional
+    and routed parameters, seeded ``run.seed + rank`` (ranks start with different weights and buffers); a
+    bare module, no plan."""
+    import torch
+
+    torch.manual_seed(cfg.run.seed + _rank())
+    return ConditionalLM(cfg.model.vocab_size, cfg.model.n_embd)
+
+
+def branch_lm(cfg: Config) -> nn.Module:
+    """:class:`ConditionalLM` with ``route=False``: the frozen embedding and the branch unused on odd steps
+    (on every rank alike), no routing; seeded ``run.seed + rank``, no plan."""
+    import torch
+
+    torch.manual_seed(cfg.run.seed + _rank())
+    return ConditionalLM(cfg.model.vocab_size, cfg.model.n_embd, route=False)
+
+
+def plain_lm(cfg: Config) -> nn.Module:
+    """:class:`ConditionalLM` with ``conditional=False`` (every parameter trainable and used on every step),
+    seeded ``run.seed + rank``; a bare module without a plan (plan-free GTP)."""
+    import torch
+
+    torch.manual_seed(cfg.run.seed + _rank())
+    return ConditionalLM(cfg.model.vocab_size, cfg.model.n_embd, conditional=False)

@@ -62,8 +62,20 @@ def test_inner_must_be_known() -> None:
         validate(cfg, world_size=2)
 
 
-def test_gtp_inner_needs_parallel_linears_in_the_plan() -> None:
-    """Refused in ``setup`` before any collective (the mesh, the inner strategy), naming key and model."""
+class _Proj(nn.Module):
+    """A projection that is not an ``nn.Linear`` (like ``transformers``' ``Conv1D``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(3, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
+def test_gtp_inner_refuses_a_model_without_linears_before_any_collective() -> None:
+    """GTP needs no plan (it shards every ``nn.Linear``), but a model with no ``nn.Linear`` is refused in
+    ``setup`` before any collective (the mesh, the inner strategy), naming key and modules."""
     from lowband.plan import ModelPlan
     from lowband.train.config import Config, ConfigError
     from lowband.train.env import init_distributed
@@ -73,7 +85,8 @@ def test_gtp_inner_needs_parallel_linears_in_the_plan() -> None:
     cfg.strategy.name, cfg.run.world_size, cfg.diloco.inner = "diloco", 1, "gtp"
     strategy = get_strategy_class("diloco")(cfg, init_distributed("cpu", 30.0))
     strategy.plan = ModelPlan()
-    with pytest.raises(ConfigError, match=re.escape("diloco.inner = gtp needs the model plan's parallel_linears "
-                                                    "(the linears to shard); the plan of Sequential lists none")):
-        strategy.setup(_model())
+    with pytest.raises(ConfigError, match=re.escape("diloco.inner = gtp shards nn.Linear layers (and nn.Embedding "
+                                                    "tables); Sequential has no nn.Linear to shard (a tied one "
+                                                    "stays replicated) (its 2-D weights sit in _Proj modules)")):
+        strategy.setup(nn.Sequential(_Proj(), nn.Tanh()))
     assert not hasattr(strategy, "mesh")

@@ -225,3 +225,142 @@ def test_python_dash_m_lowband_sample(tmp_path: Path) -> None:
     assert bad.returncode == 2 and bad.stderr.startswith("lowband.sample: error: run directory")
     assert run("--run", str(tmp_path / "r")).returncode == 2
     assert run("--help").returncode == 0
+
+
+# ------------------------------------------------------------- damaged runs, bytes, bounds (issue 21)
+def run_main(tmp_path: Path, capsys, *argv: str) -> tuple[int, str, str]:
+    code = sample.main(["--run", str(tmp_path / "r"), *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def assert_one_error_line(err: str, *needles: str) -> None:
+    assert err.startswith("lowband.sample: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err and "error: unexpected" not in err, err
+    for n in needles:
+        assert n in err, (n, err)
+
+
+def test_nan_weights_are_refused_not_decoded_as_nul_bytes(tmp_path: Path, capsys) -> None:
+    model = tiny_gpt(7)
+    with torch.no_grad():
+        model.lm_head.weight[3, 2] = float("nan")
+    write_run(tmp_path / "r", model)
+    code, out, err = run_main(tmp_path, capsys, "--prompt", "ab", "--temperature", "0", "--max-tokens", "5")
+    assert code == 2 and "\x00" not in out
+    assert_one_error_line(err, "NaN/inf", "lm_head.weight")
+
+
+def test_non_finite_logits_raise_in_generate() -> None:
+    from lowband.model.generate import NonFiniteLogitsError
+
+    class Inf(torch.nn.Module):
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros(*idx.shape, 10)
+            out[..., 4] = float("inf")
+            return out
+
+    for t in (0.0, 1.0):
+        with pytest.raises(NonFiniteLogitsError, match="NaN/inf"):
+            generate(Inf(), torch.tensor([[1]]), 3, temperature=t)
+
+
+def test_a_non_utf8_prompt_byte_is_fed_as_that_byte(tmp_path: Path, capsys) -> None:
+    """argv byte 0xE9 (Latin-1 'é') arrives in Python as the surrogate U+DCE9: the model must see 0xE9,
+    not the three bytes ED B3 A9 that surrogatepass would give."""
+    model = tiny_gpt(8)
+    write_run(tmp_path / "r", model)
+    code, out, _ = run_main(tmp_path, capsys, "--prompt", "a\udce9", "--temperature", "0", "--max-tokens", "6")
+    assert code == 0
+    row = argmax_rollout(model, torch.tensor([[256, 97, 0xE9]]), 6, vocab_limit=258)[0].tolist()
+    new = row[3:]
+    new = new[:next((i for i, t in enumerate(new) if t >= 256), len(new))]
+    assert out == (b"a\xe9" + bytes(new)).decode("utf-8", errors="replace") + "\n"
+
+
+def test_python_dash_m_lowband_sample_with_a_latin1_argv_byte(tmp_path: Path) -> None:
+    model = tiny_gpt(8)
+    write_run(tmp_path / "r", model)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-m", "lowband.sample", "--run", str(tmp_path / "r"), "--prompt",
+                           b"a\xe9", "--temperature", "0", "--max-tokens", "6"], cwd=REPO, env=env,
+                          capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    row = argmax_rollout(model, torch.tensor([[256, 97, 0xE9]]), 6, vocab_limit=258)[0].tolist()
+    new = row[3:]
+    new = new[:next((i for i, t in enumerate(new) if t >= 256), len(new))]
+    assert proc.stdout == ((b"a\xe9" + bytes(new)).decode("utf-8", errors="replace") + "\n").encode()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "shape", "missing_tensor", "bad_gpt_field",
+                                    "bad_seq_len"])
+def test_a_damaged_or_mismatched_run_is_one_line_exit_2(tmp_path: Path, capsys, damage: str) -> None:
+    model = tiny_gpt(9)
+    write_run(tmp_path / "r", model)
+    weights, meta_path = tmp_path / "r" / "model.safetensors", tmp_path / "r" / "model.json"
+    meta = json.loads(meta_path.read_text())
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif damage == "garbage":
+        weights.write_bytes(b"\xff" * 64)
+    elif damage == "empty":
+        weights.write_bytes(b"")
+    elif damage == "shape":  # model.json says a wider model than the file holds
+        meta["gpt"]["n_embd"] = 32
+        meta_path.write_text(json.dumps(meta))
+    elif damage == "missing_tensor":
+        save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}, str(weights))
+    elif damage == "bad_gpt_field":
+        meta["gpt"]["n_wings"] = 2
+        meta_path.write_text(json.dumps(meta))
+    elif damage == "bad_seq_len":
+        meta["seq_len"] = "eight"
+        meta_path.write_text(json.dumps(meta))
+    code, out, err = run_main(tmp_path, capsys, "--prompt", "ab", "--max-tokens", "3")
+    assert code == 2 and out == ""
+    assert_one_error_line(err, str(tmp_path / "r"))
+
+
+@pytest.mark.parametrize("temperature", ["1e-300", "5e-324", "1e300", "1.7e308"])
+def test_an_absurd_temperature_samples_without_nan_probabilities(tmp_path: Path, capsys, temperature: str) -> None:
+    model = tiny_gpt(10)
+    write_run(tmp_path / "r", model)
+    code, out, err = run_main(tmp_path, capsys, "--prompt", "ab", "--temperature", temperature, "--max-tokens", "8")
+    assert code == 0 and err == ""
+    if float(temperature) < 1e-200:  # as good as greedy
+        assert out == expected_greedy_text(model, "ab", 8) + "\n"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--max-tokens", str(sample.MAX_TOKENS + 1)], "--max-tokens must be >= 1 and <= 10,000"),
+    (["--num-samples", str(sample.MAX_SAMPLES + 1)], "--num-samples must be >= 1 and <= 100"),
+    (["--seed", str(2**64)], "--seed must be in"),
+    (["--seed", "-1"], "--seed must be in"),
+])
+def test_max_tokens_num_samples_and_seed_are_bounded(tmp_path: Path, capsys, argv: list[str], message: str) -> None:
+    write_run(tmp_path / "r", tiny_gpt())
+    code, out, err = run_main(tmp_path, capsys, "--prompt", "x", *argv)
+    assert code == 2 and out == ""
+    assert_one_error_line(err, message)
+
+
+def test_tokens_stream_one_write_per_token(tmp_path: Path) -> None:
+    """Every generated token is handed to the writer as soon as it is drawn (the CLI flushes each)."""
+    model = tiny_gpt(11)
+    write_run(tmp_path / "r", model)
+    args = sample._parser().parse_args(["--run", str(tmp_path / "r"), "--prompt", "ab", "--temperature", "0",
+                                        "--max-tokens", "9"])
+    pieces: list[str] = []
+    sample.stream_samples(args, pieces.append)
+    assert "".join(pieces) == expected_greedy_text(model, "ab", 9) + "\n"
+    new = argmax_rollout(model, torch.tensor([[256, 97, 98]]), 9, vocab_limit=258)[0, 3:].tolist()
+    n_new = next((i for i, t in enumerate(new) if t >= 256), len(new))
+    assert n_new >= 3 and pieces[0] == "ab" and len(pieces) == 1 + n_new + 1  # prompt, one per token, newline
+
+
+def test_generation_goes_past_the_context_window(tmp_path: Path, capsys) -> None:
+    """``--max-tokens`` beyond the model's seq_len slides the window (the model sees the last SEQ tokens)."""
+    model = tiny_gpt(12)
+    write_run(tmp_path / "r", model)
+    code, out, _ = run_main(tmp_path, capsys, "--prompt", "ab", "--temperature", "0", "--max-tokens", str(3 * SEQ))
+    assert code == 0 and out == expected_greedy_text(model, "ab", 3 * SEQ) + "\n"

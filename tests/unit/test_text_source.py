@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -87,20 +88,22 @@ def test_split_is_the_tail_of_the_stream(tmp_path: Path) -> None:
     assert int(train[0]) == BOS and bytes(val.astype(np.uint8)) == b"x" * 49 + b"\n"
 
 
-def test_cache_is_reused_without_reading_the_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                  cache_root: Path) -> None:
+def test_cache_is_reused_without_tokenizing_the_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     cache_root: Path) -> None:
     f = tmp_path / "t.txt"
     f.write_text("some text to cache\n" * 10)
     train1, val1, folder1 = text_corpus(str(f), 0.1)
     assert folder1.parent == cache_root and folder1.name.startswith("text-")
     meta = json.loads((folder1 / "source.json").read_text())
     assert meta["train_tokens"] == train1.size and meta["val_tokens"] == val1.size
-    assert meta["key"]["files"][0][:2] == [str(f.resolve()), f.stat().st_size]
+    digest = hashlib.sha256(f.read_bytes()).hexdigest()
+    assert meta["key"]["files"] == [[f.stat().st_size, f"sha256-{digest}"]]  # keyed by content
+    assert meta["paths"] == [str(f.resolve())]
 
     def no_tokenize(*a, **k):
         raise AssertionError("the cache should have been used")
 
-    monkeypatch.setattr(text_mod, "tokenize_files", no_tokenize)
+    monkeypatch.setattr(text_mod, "_file_tokens", no_tokenize)
     train2, val2, folder2 = text_corpus(str(f), 0.1)
     assert folder2 == folder1
     np.testing.assert_array_equal(train2, train1)
@@ -123,6 +126,48 @@ def test_cache_is_rebuilt_when_a_file_changes(tmp_path: Path) -> None:
     # adding a file to the glob changes the key
     (tmp_path / "u.txt").write_text("more\n")
     assert text_corpus(str(tmp_path / "*.txt"), 0.1)[2] not in (folder1, folder2)
+
+
+def test_same_size_edit_with_the_modification_time_kept_is_rebuilt(tmp_path: Path, cache_root: Path) -> None:
+    # cp -p / rsync -a / tar x / touch -r: same size, same mtime, other bytes. The old cache must not be read.
+    f = tmp_path / "t.txt"
+    f.write_text("alpha beta gamma\n" * 8)
+    _, _, folder1 = text_corpus(str(f), 0.1)
+    st = f.stat()
+    f.write_text("ALPHA BETA GAMMA\n" * 8)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (f.stat().st_size, f.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    train, val, folder2 = text_corpus(str(f), 0.1)
+    assert folder2 != folder1
+    np.testing.assert_array_equal(np.concatenate([train, val]), _expected_stream("ALPHA BETA GAMMA\n" * 8))
+    # the first cache is still there, untouched (nothing deletes a cache), and serves the first text again
+    assert (folder1 / "source.json").is_file()
+    f.write_text("alpha beta gamma\n" * 8)
+    assert text_corpus(str(f), 0.1)[2] == folder1
+    # a rename keeps the key (contents, not paths)
+    f.rename(tmp_path / "renamed.txt")
+    assert text_corpus(str(tmp_path / "renamed.txt"), 0.1)[2] == folder1
+    assert sorted(p.name for p in cache_root.iterdir()) == sorted([folder1.name, folder2.name])
+
+
+def test_a_file_edited_during_the_build_is_cached_under_the_bytes_read(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    f = tmp_path / "t.txt"
+    f.write_text("old old old\n" * 5)
+    real_read = text_mod._read_file
+
+    def read_after_edit(p: Path) -> bytes:  # the file changes between the key lookup and the build's read
+        f.write_text("new new new\n" * 5)
+        return real_read(p)
+
+    monkeypatch.setattr(text_mod, "_read_file", read_after_edit)
+    train, val, folder = text_corpus(str(f), 0.1)
+    monkeypatch.setattr(text_mod, "_read_file", real_read)
+    np.testing.assert_array_equal(np.concatenate([train, val]), _expected_stream("new new new\n" * 5))
+    assert text_corpus(str(f), 0.1)[2] == folder  # keyed by what was tokenized: found again
+    f.write_text("old old old\n" * 5)
+    train, val, _ = text_corpus(str(f), 0.1)
+    np.testing.assert_array_equal(np.concatenate([train, val]), _expected_stream("old old old\n" * 5))
 
 
 def test_incomplete_cache_is_rebuilt(tmp_path: Path) -> None:

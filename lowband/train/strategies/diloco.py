@@ -159,6 +159,10 @@ class DilocoStrategy(Strategy):
         if inner_cls.needs_parallel_linears and not plan.parallel_linears:
             raise ConfigError(f"diloco.inner = {d.inner} needs the model plan's parallel_linears (the linears "
                               f"to shard); the plan of {type(model).__name__} lists none")
+        if d.inner == "gtp":  # plan-free: every nn.Linear; refused before the mesh's collectives if none
+            from lowband.train.strategies.gtp import check_gtp_model
+
+            check_gtp_model(model, "diloco.inner = gtp")
         # fragments by name, cut from the unsharded model, so every inner strategy syncs the same split
         frag_names = [f.names for f in split_fragments(model, d.fragments, plan=plan)]
         self.mesh = build_mesh(replica=replicas, dp=world // (replicas * gtp), gtp=gtp, ledger=self.env.ledger)

@@ -31,6 +31,11 @@ interchangeable with those strategies. With Muon: :class:`lowband.parallel.gtp_m
 
 Inside a larger mesh (a DiLoCo replica): :meth:`GTPStrategy.setup_on_mesh` takes the mesh's ``gtp``
 and ``dp`` axes instead of building a mesh over the world.
+
+No model plan needed: GTP shards every ``nn.Linear`` (and plain ``nn.Embedding``) by rows and gathers
+the whole weight before use, so any layout of linears works (a factory may return a bare
+``nn.Module``); the plan's ``parallel_linears`` (which TP needs) are not read. A model without an
+``nn.Linear`` is refused before any collective (:func:`check_gtp_model`).
 """
 
 from __future__ import annotations
@@ -65,10 +70,30 @@ from lowband.train.strategies.sharded import muon_ns_dtype
 _WIRE = {"float32": None, "bfloat16": torch.bfloat16}
 
 
+def check_gtp_model(model: nn.Module, where: str) -> None:
+    """``ConfigError`` (every rank alike, no communication) if ``model`` has no ``nn.Linear`` for GTP to
+    shard (embeddings and a head tied to one, which stays replicated, do not make a GTP model: its
+    projections would stay replicated), naming the modules its other 2-D weights sit in (e.g.
+    ``transformers``' ``Conv1D``)."""
+    from lowband.plan import tied_groups
+    from lowband.train.config import ConfigError
+
+    tied = {n for g in tied_groups(model) for n in g}  # a tied linear (a head tied to the embedding) stays whole
+    if any(isinstance(m, nn.Linear) and f"{name}.weight" not in tied for name, m in model.named_modules()):
+        return
+    kinds = sorted({type(m).__name__ for m in model.modules()
+                    if not isinstance(m, nn.Embedding) and isinstance(getattr(m, "weight", None), torch.Tensor)
+                    and m.weight.dim() == 2})
+    extra = f" (its 2-D weights sit in {', '.join(kinds)} modules)" if kinds else ""
+    raise ConfigError(f"{where} shards nn.Linear layers (and nn.Embedding tables); {type(model).__name__} has no "
+                      f"nn.Linear to shard (a tied one stays replicated){extra}; use strategy ddp or "
+                      "sharded-adamw, or build the model from nn.Linear")
+
+
 @register_strategy("gtp")
 class GTPStrategy(Strategy):
     config_sections = ("strategy", "gtp")
-    needs_parallel_linears = True
+    needs_parallel_linears = False  # plan-free: every nn.Linear is sharded (check_gtp_model)
 
     @classmethod
     def validate_config(cls, cfg, world_size: int) -> None:
@@ -96,6 +121,7 @@ class GTPStrategy(Strategy):
         :meth:`setup_on_mesh`."""
         s = self.cfg.gtp
         gtp = s.size or self.env.world_size
+        check_gtp_model(model, "strategy 'gtp'")  # before the mesh's collectives
         self.setup_on_mesh(model, build_mesh(gtp=gtp, ledger=self.env.comm.ledger))
 
     def setup_on_mesh(self, model: nn.Module, mesh: ParallelMesh) -> None:

@@ -1,0 +1,81 @@
+"""Every benchmark suite's default invocation runs (issue 21, point 9): ``python -m lowband.bench SUITE``
+with no contender list, its sizes turned down by ``--quick``, on 2 CPU ranks.
+
+Not run here: ``link`` (it builds network namespaces and tc qdiscs: root only; tests/link covers it,
+including its one-line refusal without privileges), whose default invocation is documented with ``sudo``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lowband.bench import SUITES
+from lowband.bench.__main__ import apply_quick, suite_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+NOT_RUN = {"link": "needs root and network namespaces (tests/link)"}
+
+
+def test_every_suite_has_quick_settings_for_existing_options() -> None:
+    import importlib
+
+    for suite in SUITES:
+        mod = importlib.import_module(SUITES[suite])
+        quick = getattr(mod, "QUICK", None)
+        assert quick, f"{suite} has no QUICK settings"
+        opts = vars(suite_parser(suite).parse_args([suite]))
+        assert set(quick) <= set(opts), (suite, set(quick) - set(opts))
+
+
+def test_quick_keeps_explicit_options_and_the_default_contenders() -> None:
+    parser = suite_parser("dp")
+    plain = vars(parser.parse_args(["dp"]))
+    quick = apply_quick("dp", vars(parser.parse_args(["dp", "--quick", "--n-layer", "3"])), parser)
+    assert quick["n_layer"] == 3 and quick["n_embd"] == 32 and quick["repeats"] == 1 and quick["warmup"] == 0
+    assert quick["contenders"] == plain["contenders"]
+    link = suite_parser("link")
+    assert apply_quick("link", vars(link.parse_args(["link", "--quick"])), link)["warmup"] == 1  # its LR warm-up
+
+
+def test_diloco_default_config_validates_for_every_contender() -> None:
+    """The diloco suite's default config is the bench model (ddp, no sparse tables): both ddp and diloco
+    validate with it; the demo config (sharded-muon + a sparse bigram table) runs too."""
+    import copy
+
+    from lowband.bench import diloco
+    from lowband.train.config import load_config, validate
+
+    for path in (diloco.DEFAULT_CONFIG, "configs/demo.toml"):
+        base = load_config(diloco.resolve_config(path))
+        if base.diloco.inner not in ("sharded-adamw", "sharded-muon"):
+            base.sparse.tables = []
+        for name in ("ddp", "diloco"):
+            c = copy.deepcopy(base)
+            c.strategy.name = name
+            validate(c, world_size=2)
+    assert diloco.resolve_config(diloco.DEFAULT_CONFIG) == ROOT / "configs" / "diloco-bench.toml" or \
+        diloco.resolve_config(diloco.DEFAULT_CONFIG).resolve() == (ROOT / "configs" / "diloco-bench.toml")
+    with pytest.raises(ValueError, match="no such file"):
+        diloco.resolve_config("nope/missing.toml")
+
+
+@pytest.mark.parametrize("suite", sorted(s for s in SUITES if s not in NOT_RUN))
+def test_default_invocation_runs(suite: str, tmp_path: Path) -> None:
+    out = tmp_path / f"{suite}.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("RANK", None), env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, "-m", "lowband.bench", suite, "--world", "2", "--quick", "--out", str(out),
+                           "--timeout", "240"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["suite"] == suite and doc["world_size"] == 2 and doc["results"]
+    names = [r["name"] for r in doc["results"]]
+    default = vars(suite_parser(suite).parse_args([suite])).get("contenders")
+    if default and default != "all":
+        assert names[: len(default.split(","))] == default.split(",") or set(default.split(",")) <= set(names), names
