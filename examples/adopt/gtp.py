@@ -14,7 +14,6 @@ from lowband.parallel import (
     clip_grad_norm_,
     shard_embeddings,
     shard_linears,
-    sync_replicated_grads,
     unsharded_copy,
 )
 from tests.external.outside_gpt import random_batch, seeded_model  # your model and your data
@@ -33,8 +32,7 @@ def main(steps: int = 6, dtype: torch.dtype = torch.float32) -> dict:
     for step in range(steps):
         x, y = random_batch(step, rank)
         _, loss = model(x, y)
-        loss.backward()
-        sync_replicated_grads(rt, model)  # average the replicated parameters' grads (norms, biases, head)
+        loss.backward()  # also averages the replicated parameters' grads (norms, biases, head), as DDP
         clip_grad_norm_(model, 1.0)  # the global norm over shards and replicated parameters
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -18,10 +18,10 @@ Communication pattern (per step, per unit, N = data-parallel world size; see
    so all ranks issue the same collectives in the same order whatever their gradients.
 2. **step().** Units not launched yet (a member got no gradient on this rank, or gradients were
    produced under :meth:`ShardedOptimizer.no_sync`) are launched in unit order: a member's slot
-   takes ``p.grad`` if it exists, zeros otherwise. Right after the last launch, one async
-   ``all_reduce(op="max", tag="grad_used")`` of a ``uint8`` flag per parameter (see *Missing
-   gradients* below) starts. Then, unit by unit: wait for its reduce-scatter,
-   update the owned slice (AdamW on a flat shard; Muon on whole owned matrices), launch
+   takes ``p.grad`` if it exists, zeros otherwise. Every reduce-scatter is waited for, then one
+   ``all_reduce(op="max", tag="grad_used")`` of a ``uint8`` level per parameter plus 3 bytes (see
+   *Missing gradients* and *Habits* below) agrees, before any update, on who used what and on what
+   to refuse. Then, unit by unit: update the owned slice (AdamW on a flat shard; Muon on whole owned matrices), launch
    ``all_gather(async_op=True, tag="param:*")`` of the updated slice straight into the flat
    parameter buffer, and move on while it is in flight. AdamW and Muon units share one loop, so
    their communication overlaps instead of running one kind after the other.
@@ -34,9 +34,9 @@ Communication pattern (per step, per unit, N = data-parallel world size; see
 
 Bytes per rank per step (ring model): reduce-scatter ``(N-1)/N * numel * grad_wire_esize`` plus
 all-gather ``(N-1)/N * numel * param_wire_esize`` per unit: the same as one all-reduce in fp32, 0.75x
-of it with bf16 gradients, 0.5x with bf16 gradients and bf16 parameter gathers; plus the used-flags
-all-reduce, ``2(N-1)/N * F`` bytes for ``F`` parameters in the optimizer (frozen ones included; none
-on one rank). Optional clipping adds one all-reduce of one scalar.
+of it with bf16 gradients, 0.5x with bf16 gradients and bf16 parameter gathers; plus the flags
+all-reduce, ``2(N-1)/N * F`` bytes for ``F`` = parameters in the optimizer (frozen ones included) + 3
+(none on one rank). Optional clipping adds one all-reduce of one scalar.
 
 State layout per rank: AdamW ``exp_avg``/``exp_avg_sq`` of ``numel / N`` elements per bucket (the
 owned shard, accumulation dtype: fp32, or fp64 for fp64 parameters) plus ``steps``, one integer step
@@ -54,22 +54,34 @@ Gradient accumulation: wrap every microbatch's backward but the last in ``with o
 usual; the last backward (outside ``no_sync``) launches the reduce-scatters. If the last one is also
 inside ``no_sync``, ``step()`` still reduces everything, without overlap.
 
+Habits (issue 27; docs/sharded_optim.md "Habits"). What a script does through torch's API is exact or
+refused at the next :meth:`~ShardedOptimizer.clip_grad_norm` / :meth:`~ShardedOptimizer.step` on every
+rank alike, with one line: the hook records each ``p.grad`` and its ``_version`` when it copies it, so
+torch's ``clip_grad_norm_`` / ``clip_grad_value_`` (or any edit of ``.grad``) after backward is refused
+(use :meth:`~ShardedOptimizer.clip_grad_norm`); ``torch.amp.GradScaler`` is exact (``unscale_``'s
+power-of-two factor is spotted on ``p.grad`` and applied to the reduced shards, ``step(grad_scaler=)``
+skips on a global inf/NaN and writes the global ``found_inf`` back into the scaler); a parameter whose
+storage left the flat buffer with dtype and shape unchanged (``p.data = p.data * 0.9``) is re-adopted
+(values copied in, ``p.data`` re-pointed), another dtype or shape (``model.to(dtype)``) is refused;
+``state_dict()``'s DTensors carry the rank that made them and :meth:`~ShardedOptimizer.load_state_dict`
+refuses another rank's (the nanoGPT resume); the state collectives run on a group with timeout
+``state_timeout`` (60 s), so a call made by some ranks only ends with one line; a torch lr scheduler
+attached to the optimizer turns the Muon/AdamW lr-ratio check off.
+
 Missing gradients (``torch.optim`` + DDP ``find_unused_parameters=True`` semantics). A parameter
 counts as used on a rank when ``p.grad is not None`` at ``step()`` (or its hook copied a gradient).
 Used on at least one rank: averaged with zeros from the others. Used on no rank: untouched, as
 ``torch.optim`` leaves a parameter whose grad is ``None``: no moment decay, no weight decay, no step
 count (AdamW steps are per member, each member's bias correction uses its own step), Muon momentum not
 decayed and the matrix not updated; sparse tables the same. The global knowledge is DDP's: each step
-every rank all-reduces (MAX) a ``uint8`` vector, one flag per unit member, then one per parameter left
-out of the units, async, right after the last unit's reduce-scatter (so at the same place on every
-rank). A member this rank used is used globally, so the flags are only waited for at the first unit
-where this rank left a member unused (or before the first update when there are frozen parameters);
-on one rank nothing is sent. AdamW runs one fused update over the owned shard when every member was
-used with equal steps, otherwise one per run of adjacent used members with equal steps. Frozen
-parameters (``requires_grad=False`` at construction) are left out of every unit and never updated;
-frozen later, they get no gradient and are untouched; unfrozen later (their flag is set), ``step()``
-raises ``ValueError`` naming the parameter on every rank alike, before any update. With ``lr = 0``
-and zero gradients a step changes no parameter (checkpoint loaders rely on this).
+every rank all-reduces (MAX) a ``uint8`` vector, one level per unit member, then one flag per parameter
+left out of the units, then 3 bytes, after the last reduce-scatter completed (so at the same place on
+every rank) and before any update; on one rank nothing is sent. AdamW runs one fused update over the
+owned shard when every member was used with equal steps, otherwise one per run of adjacent used
+members with equal steps. Frozen parameters (``requires_grad=False`` at construction) are left out of
+every unit and never updated; frozen later, they get no gradient and are untouched; unfrozen later
+(their flag is set), ``step()`` raises ``ValueError`` naming the parameter on every rank alike, before
+any update. With ``lr = 0`` and zero gradients a step changes no parameter (checkpoint loaders rely on this).
 """
 
 from __future__ import annotations
@@ -77,6 +89,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -104,6 +117,8 @@ from lowband.optim.sparse_rows import (
 ALGORITHMS = ("adamw", "muon")
 PARAM_GATHER = ("step", "forward")
 INIT_SYNC = (True, False, "verify")
+_PROBE = 64  # elements of each gradient compared at step() to spot GradScaler's unscale (see _probe_scale)
+_LEVEL_USED, _LEVEL_GRAD_CHANGED, _LEVEL_STORAGE = 1, 2, 3  # per-member flag levels (MAX-reduced)
 LR_RATIO_RTOL = 1e-6  # a schedule multiplies every lr by one factor: ratios agree to rounding (~1e-16)
 GRAD_WIRE_DTYPES = (None, torch.float32, torch.bfloat16)
 _WIRE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -151,6 +166,11 @@ class _Unit:
     def reset(self) -> None:
         self.copied = [False] * len(self.params)
         self.n_copied = 0
+        # the p.grad tensor each member's slot was copied from, and its version counter then: a later
+        # in-place edit (torch's clip_grad_norm_ / clip_grad_value_) or rebinding is seen at step()
+        self.grad_ref: list[torch.Tensor | None] = [None] * len(self.params)
+        self.grad_ver = [0] * len(self.params)
+        self.bad = [False] * len(self.params)  # p.grad's dtype or size no longer fits the slot
         self.launched = False
         self.rs: CommHandle | None = None
         self.reduced = False
@@ -158,6 +178,24 @@ class _Unit:
     def grad_slot(self, i: int) -> torch.Tensor:
         m = self.layout.members[i]
         return self.grad_buf[m.offset:m.offset + m.numel]
+
+    def param_view(self, i: int) -> torch.Tensor:
+        m = self.layout.members[i]
+        return self.param_buf[m.offset:m.offset + m.numel].view(m.shape)
+
+    @torch.no_grad()
+    def copy_grad(self, i: int, p: torch.Tensor) -> None:
+        """Copy ``p.grad`` into member ``i``'s slot and remember which tensor, at which version."""
+        g = p.grad
+        assert g is not None
+        slot = self.grad_slot(i)
+        if g.numel() != slot.numel() or g.dtype != slot.dtype:  # storage changed: refused at step()
+            slot.zero_()
+            self.bad[i] = True
+        else:
+            slot.copy_(g.reshape(-1))
+        self.grad_ref[i] = g
+        self.grad_ver[i] = g._version
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -222,6 +260,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             differ between ranks.
     """
 
+    _step_supports_amp_scaling = True  # torch.amp.GradScaler hands itself to step() (see step)
+
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, *, algorithm: str = "adamw",
                  momentum: float = 0.95, nesterov: bool = True, ns_method: str = "ns5", ns_steps: int = 5,
@@ -230,7 +270,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  param_wire_dtype: torch.dtype | str | None = None, module: nn.Module | None = None,
                  param_gather: str = "step", sparse_tables: Iterable[SparseTable] = (),
                  sparse_mode: str = "auto", sparse_count_comm: Comm | None = None,
-                 init_sync: bool | str = True, lr_ratio_check: bool = True) -> None:
+                 init_sync: bool | str = True, lr_ratio_check: bool = True,
+                 state_timeout: float = 60.0) -> None:
         if not (init_sync is True or init_sync is False or init_sync == "verify"):
             raise ValueError(f"ShardedOptimizer: init_sync={init_sync!r} is not allowed; allowed: True "
                              "(broadcast from rank 0), False (trust the caller), 'verify' (checksum, raise)")
@@ -248,6 +289,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if param_wire_dtype not in GRAD_WIRE_DTYPES:
             raise ValueError(f"ShardedOptimizer: param_wire_dtype={param_wire_dtype!r} is not allowed; "
                              "allowed: None (parameter dtype), torch.float32 ('fp32'), torch.bfloat16 ('bf16')")
+        if isinstance(state_timeout, bool) or not isinstance(state_timeout, (int, float)) \
+                or not (state_timeout > 0 and math.isfinite(state_timeout)):
+            raise ValueError(f"ShardedOptimizer: state_timeout must be a positive number of seconds "
+                             f"(got {state_timeout!r})")
         if param_gather not in PARAM_GATHER:
             raise ValueError(f"ShardedOptimizer: param_gather={param_gather!r} is not allowed; "
                              f"allowed: {list(PARAM_GATHER)}")
@@ -270,6 +315,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._validate_groups()
 
         self.comm = (comm if comm is not None else Comm()).private("sharded")  # own group (Comm.private)
+        # the state collectives (state_dict, full_state_dict, load_state_dict) on a second group whose
+        # timeout is state_timeout: a call only some ranks make ends with an error, not a 30-minute hang
+        self.state_timeout = float(state_timeout)
+        self._state_comm = self.comm.private("sharded_state", timeout=timedelta(seconds=self.state_timeout))
         self.bucket_mb = float(bucket_mb)
         self.grad_wire_dtype = grad_wire_dtype
         self.param_wire_dtype = param_wire_dtype
@@ -287,7 +336,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         for g in self.param_groups],
                        self.bucket_mb, str(grad_wire_dtype), str(param_wire_dtype), param_gather,
                        [(t.name, tuple(t.param.shape), t.hash, t.vocab_size) for t in sparse_tables], sparse_mode,
-                       init_sync, self.lr_ratio_check)
+                       init_sync, self.lr_ratio_check, self.state_timeout)
         self.comm.agree(fingerprint, "ShardedOptimizer parameters (group, algorithm, shape, dtype, "
                                      "requires_grad) and settings")
 
@@ -323,9 +372,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._gathers: dict[int, CommHandle] = {}
         self._hooks: list[Any] = []
         in_units = {id(p) for u in self._units for p in u.params}
-        self._excluded = [(name, p) for name, p in self._named_state(module, all_params, self.param_groups)
-                          [:len(all_params)] if id(p) not in in_units]
-        self.used_flags_numel = sum(len(u.params) for u in self._units) + len(self._excluded)
+        named = self._named_state(module, all_params, self.param_groups)[:len(all_params)]
+        self._names = [name for name, _p in named]  # by flat parameter index, for error messages
+        self._excluded = [(name, p) for name, p in named if id(p) not in in_units]
+        # one level per unit member, one flag per parameter left out, 3 bytes (GradScaler factor, inf)
+        self.used_flags_numel = sum(len(u.params) for u in self._units) + len(self._excluded) + 3
         self._reset_used()
         self._sync_initial(module, all_params)
         for ui, unit in enumerate(self._units):
@@ -462,6 +513,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Raise if Muon and AdamW groups no longer keep their construction lr ratio (see class doc)."""
         if not self.lr_ratio_check or len({g["algorithm"] for g in self.param_groups}) < 2:
             return
+        if all("initial_lr" in g for g in self.param_groups):
+            # a torch LRScheduler is attached (it records each group's initial_lr) and sets each group's
+            # lr from that group's own base lr: CosineAnnealingLR(eta_min=...) etc. change the ratio by design
+            return
         lrs = [float(g["lr"]) for g in self.param_groups]
         if all(lr == 0 for lr in lrs):  # warmup at 0, or torch DCP's lr=0 initialization step
             return
@@ -474,9 +529,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                          for gi, (g, lr, base) in enumerate(zip(self.param_groups, lrs, self._base_lrs)))
         raise ValueError(
             "ShardedOptimizer.step: the param groups' lrs no longer keep the ratio they were built with "
-            f"({desc}). Muon and AdamW groups carry separate lrs; a loop that sets one lr on every group runs "
-            "Muon at the AdamW lr. Scale each group's own lr instead (g['lr'] = base_lr * factor with "
-            "base_lr from opt.base_lrs, or torch.optim.lr_scheduler.LambdaLR), or pass lr_ratio_check=False "
+            f"({desc}) and no torch lr scheduler is attached. Muon and AdamW groups carry separate lrs; a loop "
+            "that sets one lr on every group runs Muon at the AdamW lr. Scale each group's own lr instead "
+            "(g['lr'] = base_lr * factor with base_lr from opt.base_lrs), attach a torch.optim.lr_scheduler "
+            "(LambdaLR, CosineAnnealingLR, ...: allowed, it keeps per-group lrs), or pass lr_ratio_check=False "
             "if different schedules per group are intended")
 
     def add_param_group(self, param_group: dict) -> None:
@@ -516,7 +572,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                "already started this step; run all but the last microbatch's backward "
                                "inside optimizer.no_sync(), and call step() or zero_grad() between steps")
         assert p.grad is not None
-        unit.grad_slot(mi).copy_(p.grad.reshape(-1))
+        unit.copy_grad(mi, p)
         if not unit.copied[mi]:
             unit.copied[mi] = True
             unit.n_copied += 1
@@ -543,19 +599,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
             unit = self._units[ui]
             for mi, p in enumerate(unit.params):
                 if not unit.copied[mi]:
-                    slot = unit.grad_slot(mi)
                     if p.grad is not None:
-                        slot.copy_(p.grad.reshape(-1))
+                        unit.copy_grad(mi, p)
                     else:
-                        slot.zero_()
+                        unit.grad_slot(mi).zero_()
             self._launch(ui)
 
-    # ------------------------------------------------------------------- which parameters were used
+    # ------------------------------------------------------------- per-step checks (the flags)
     def _reset_used(self) -> None:
-        self._used_handle: CommHandle | None = None
-        self._used_buf: torch.Tensor | None = None
-        self._used_local: list[list[bool]] | None = None
+        self._checked = False
         self._used_global: list[list[bool]] | None = None
+        self._grad_exp: int | None = None  # the reduced shards were multiplied by 2**_grad_exp (GradScaler)
+        self._found_inf = False  # some rank's reduced shard holds inf/NaN (this step; global)
 
     def _flag_device(self) -> torch.device:
         if self._units:
@@ -564,49 +619,178 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return params[0].device if params else torch.device("cpu")
 
     @torch.no_grad()
-    def _launch_used(self) -> None:
-        """Start the all-reduce (MAX, ``uint8``, ``tag="grad_used"``) of this rank's "got a gradient"
-        flags: one per unit member (``p.grad is not None`` or its hook copied a gradient), then one per
-        parameter left out of the units at construction (``requires_grad`` is now ``True``: unfrozen).
-        Idempotent within a step; issued right after every unit's reduce-scatter was launched, so every
-        rank issues it at the same place in its sequence of collectives. On one rank the local flags
-        are the global ones: no collective."""
-        if self._used_local is not None:
-            return
-        self._used_local = [[bool(unit.copied[mi]) or p.grad is not None for mi, p in enumerate(unit.params)]
-                            for unit in self._units]
-        excluded = [bool(p.requires_grad) for _n, p in self._excluded]
-        flat = [f for unit_flags in self._used_local for f in unit_flags] + excluded
-        if self.comm.size == 1:  # the local flags are the global ones (checked where N ranks wait)
-            self._used_buf = torch.tensor(flat, dtype=torch.uint8)
-            return
-        self._used_buf = torch.tensor(flat, dtype=torch.uint8, device=self._flag_device())
-        self._used_handle = self.comm.all_reduce(self._used_buf, "max", async_op=True, tag="grad_used")
+    def _readopt(self) -> None:
+        """Re-adopt parameters whose storage left the flat parameter buffer with dtype, shape and device
+        unchanged (``p.data = p.data * 0.9``): copy the new values into the buffer view (and the owned
+        fp32 master, where one is kept) and point ``p.data`` back at it. Local; no communication. A
+        changed dtype, shape or device is refused by :meth:`_sync_checks` instead."""
+        for ui, unit in enumerate(self._units):
+            lay = unit.layout
+            for mi, p in enumerate(unit.params):
+                m = lay.members[mi]
+                if p.dtype != lay.dtype or tuple(p.shape) != m.shape or p.device != lay.device:
+                    continue
+                view = unit.param_view(mi)
+                if p.data_ptr() == view.data_ptr() and p.stride() == view.stride():
+                    continue
+                view.copy_(p.detach())
+                p.data = view
+                self._readopt_master(ui, mi)
 
-    def _wait_used(self) -> list[list[bool]]:
-        """The global flags (a parameter counts as used if any rank used it); raises ``ValueError`` on
-        every rank alike if a parameter left out at construction has been unfrozen."""
-        if self._used_global is None:
-            assert self._used_buf is not None
-            if self._used_handle is not None:
-                self._used_handle.wait()
-                self._used_handle = None
-            flat = [bool(v) for v in self._used_buf.tolist()]
-            out, off = [], 0
+    def _readopt_master(self, ui: int, mi: int) -> None:
+        unit = self._units[ui]
+        st = self.state.get(ui)
+        if not st or "master" not in st:
+            return
+        lay, rank, m = unit.layout, self.comm.rank, unit.layout.members[mi]
+        if lay.kind == "adamw":
+            lo, hi = lay.owner_range(rank)
+            a, b = max(lo, m.offset), min(hi, m.offset + m.numel)
+            if a < b:
+                st["master"][a - lo:b - lo].copy_(unit.param_buf[a:b])
+        else:
+            assert lay.matrix_shape is not None and lay.real_per_rank is not None
+            j = m.offset // (lay.matrix_shape[0] * lay.matrix_shape[1]) - rank * lay.slots_per_rank
+            if 0 <= j < lay.real_per_rank[rank]:
+                st["master"][j].copy_(unit.param_view(mi))
+
+    @staticmethod
+    def _probe_scale(slot: torch.Tensor, g: torch.Tensor) -> int | bool | None:
+        """Compare up to ``_PROBE`` evenly spaced elements of the copied gradient ``slot`` with
+        ``p.grad`` now: ``None`` if equal (NaN equal to NaN), the exponent ``e`` if they differ by the
+        factor ``2**e`` (torch.amp.GradScaler's unscale kernel edits ``.grad`` in place without bumping
+        its version counter), ``False`` otherwise."""
+        n = slot.numel()
+        stride = max(1, n // _PROBE)
+        a, b = slot[::stride][:_PROBE], g.reshape(-1)[::stride][:_PROBE]
+        same = (a == b) | (a.isnan() & b.isnan())
+        if bool(same.all()):
+            return None
+        ok = ~same & torch.isfinite(a) & torch.isfinite(b) & (a != 0)
+        if not bool(ok.any()):
+            return False
+        i = int(ok.nonzero()[0, 0])
+        mant, exp = math.frexp(float(b[i]) / float(a[i]))
+        return exp - 1 if mant == 0.5 else False
+
+    @torch.no_grad()
+    def _local_levels(self) -> tuple[list[list[int]], int | None]:
+        """Per unit member: 0 no gradient, 1 used, 2 ``p.grad`` changed after it was copied (other than
+        by one power-of-two factor common to every member: GradScaler's unscale), 3 the parameter's
+        dtype/shape/device no longer fits its buffer; plus the common exponent, if any."""
+        levels: list[list[int]] = []
+        exp: int | None = None
+        scaled: list[tuple[int, int]] = []
+        for unit in self._units:
+            lay, lv = unit.layout, []
+            for mi, p in enumerate(unit.params):
+                m, g, ref = lay.members[mi], p.grad, unit.grad_ref[mi]
+                if unit.bad[mi] or p.dtype != lay.dtype or tuple(p.shape) != m.shape or p.device != lay.device:
+                    lv.append(_LEVEL_STORAGE)
+                elif ref is None:
+                    lv.append(_LEVEL_USED if (unit.copied[mi] or g is not None) else 0)
+                elif g is not ref or g._version != unit.grad_ver[mi]:
+                    lv.append(_LEVEL_GRAD_CHANGED)
+                else:
+                    e = self._probe_scale(unit.grad_slot(mi), g)
+                    if e is False or (e is not None and exp is not None and e != exp):
+                        lv.append(_LEVEL_GRAD_CHANGED)
+                        continue
+                    if e is not None:
+                        exp = e
+                    lv.append(_LEVEL_USED)
+                    scaled.append((len(levels), mi))
+            levels.append(lv)
+        if exp is not None:  # every copied gradient must be exactly its copy times 2**exp
+            f = 2.0 ** exp
+            for ui, mi in scaled:
+                unit = self._units[ui]
+                a = unit.grad_slot(mi) * f
+                b = unit.params[mi].grad.reshape(-1)  # type: ignore[union-attr]
+                if not bool(((a == b) | (a.isnan() & b.isnan())).all()):
+                    levels[ui][mi] = _LEVEL_GRAD_CHANGED
+        return levels, exp
+
+    @torch.no_grad()
+    def _sync_checks(self) -> None:
+        """The per-step agreement, once per step at the first of :meth:`clip_grad_norm` / :meth:`step`.
+
+        Launches the units not launched yet, waits for every reduce-scatter (in unit order), then
+        all-reduces (MAX, ``tag="grad_used"``, one synchronous collective, issued at the same place on
+        every rank) a ``uint8`` vector: per unit member its level (0 no gradient, 1 used, 2 ``p.grad``
+        changed after lowband copied it, 3 storage left the flat buffer with another dtype/shape),
+        one "unfrozen since construction" flag per parameter left out of the units, then three bytes:
+        the power-of-two factor GradScaler's ``unscale_`` applied to every ``p.grad`` (its exponent + 128
+        and 127 - exponent, so MAX gives both the largest and the smallest over ranks; 0 = none), and
+        "a reduced shard holds inf/NaN". Raises ``ValueError`` on every rank alike (naming the first
+        parameter in unit order) for levels 2 and 3, an unfrozen parameter, or ranks that scaled by
+        different factors; multiplies the reduced shards by the agreed factor. On one rank the local
+        flags are the global ones: nothing is sent."""
+        if self._checked:
+            return
+        self._launch_remaining()
+        levels, exp = self._local_levels()
+        for unit in self._units:
+            self._reduce(unit)
+        nonfinite = any(not bool(torch.isfinite(u.grad_shard).all()) for u in self._units)
+        tail = [0, 0, int(nonfinite)]
+        if exp is not None:
+            if -127 <= exp <= 126:
+                tail[0], tail[1] = exp + 128, 127 - exp
+            else:
+                levels = [[_LEVEL_GRAD_CHANGED if v == _LEVEL_USED else v for v in lv] for lv in levels]
+        flat = [v for lv in levels for v in lv] + [int(p.requires_grad) for _n, p in self._excluded] + tail
+        if self.comm.size > 1:
+            buf = torch.tensor(flat, dtype=torch.uint8, device=self._flag_device())
+            self.comm.all_reduce(buf, "max", tag="grad_used")
+            flat = [int(v) for v in buf.tolist()]
+        self._checked = True
+        off, used, problem = 0, [], None
+        for ui, unit in enumerate(self._units):
+            lv = flat[off:off + len(unit.params)]
+            off += len(unit.params)
+            used.append([v >= _LEVEL_USED for v in lv])
+            for mi, v in enumerate(lv):
+                if v >= _LEVEL_GRAD_CHANGED and (problem is None or v > problem[0]):
+                    problem = (v, ui, mi)
+        unfrozen = [bool(v) for v in flat[off:off + len(self._excluded)]]
+        hi_code, lo_code, found = flat[-3:]
+        if problem is not None:
+            self._refuse_member(*problem)
+        self._check_excluded(unfrozen)
+        if hi_code:
+            emax, emin = hi_code - 128, 127 - lo_code
+            if emax != emin:
+                self._reset_step()
+                raise ValueError(
+                    f"{type(self).__name__}: p.grad was scaled by 2**{emin} on some ranks and 2**{emax} on others "
+                    "after lowband reduced it; use one torch.amp.GradScaler per rank, stepped alike on every rank")
+            self._grad_exp = emax
             for unit in self._units:
-                out.append(flat[off:off + len(unit.params)])
-                off += len(unit.params)
-            self._used_global = out
-            self._check_excluded(flat[off:])
-        return self._used_global
+                unit.grad_shard.mul_(2.0 ** emax)
+        self._found_inf = bool(found)
+        self._used_global = used
+
+    def _refuse_member(self, level: int, ui: int, mi: int) -> None:
+        unit = self._units[ui]
+        lay, p = unit.layout, unit.params[mi]
+        name = self._names[lay.members[mi].index]
+        cls = type(self).__name__
+        self._reset_step()
+        if level == _LEVEL_STORAGE:
+            raise ValueError(
+                f"{cls}: parameter {name} is now {p.dtype} {tuple(p.shape)} on {p.device}, but the optimizer was "
+                f"built for {lay.dtype} {lay.members[mi].shape} on {lay.device} (model.to(dtype) / model.double() "
+                "/ p.data = ... after building the optimizer): build the optimizer after model.to(...)")
+        raise ValueError(
+            f"{cls}: p.grad of {name} was changed after lowband reduced it (torch.nn.utils.clip_grad_norm_ / "
+            "clip_grad_value_ or another edit of .grad between backward and step): lowband holds the averaged "
+            "gradient, so use opt.clip_grad_norm(max_norm) instead (after scaler.unscale_(opt) with a GradScaler)")
 
     def _check_excluded(self, unfrozen: list[bool]) -> None:
         if not any(unfrozen):
             return
         name, p = self._excluded[unfrozen.index(True)]
-        for unit in self._units:  # leave no collective in flight: every rank raises at this same point
-            if unit.rs is not None:
-                unit.rs.wait()
         self._reset_step()
         raise ValueError(
             f"ShardedOptimizer.step: parameter {name} (shape {tuple(p.shape)}) had requires_grad=False when the "
@@ -614,13 +798,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             "fixed at construction, so it cannot be trained: build the optimizer after unfreezing it")
 
     def _unit_used(self, ui: int) -> list[bool]:
-        """Unit ``ui``'s members that some rank used this step. A member used on this rank is used
-        globally (MAX), so the all-reduce is only waited for when this rank left a member unused."""
-        assert self._used_local is not None
-        local = self._used_local[ui]
-        if self._used_global is None and all(local):
-            return local
-        return self._wait_used()[ui]
+        """Unit ``ui``'s members that some rank used this step (after :meth:`_sync_checks`)."""
+        assert self._used_global is not None
+        return self._used_global[ui]
 
     def _reduce(self, unit: _Unit) -> None:
         if not unit.reduced:
@@ -646,8 +826,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._wait_gathers()
 
     def _reset_step(self) -> None:
-        if self._used_handle is not None:
-            self._used_handle.wait()
         self._reset_used()
         for unit in self._units:
             unit.reset()
@@ -695,14 +873,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
             raise ValueError(f"clip_grad_norm: max_norm must be a positive number (got {max_norm!r})")
         self._wait_gathers()
-        self._launch_remaining()
-        self._launch_used()
+        self._sync_checks()
         wide = any(u.grad_shard.dtype == torch.float64 for u in self._units)
         acc = torch.float64 if wide else torch.float32
         device = self._units[0].grad_shard.device if self._units else torch.device("cpu")
         total = torch.zeros(1, dtype=acc, device=device)
         for unit in self._units:
-            self._reduce(unit)
             g = unit.grad_shard if unit.grad_shard.dtype == acc else unit.grad_shard.to(acc)
             total += torch.dot(g, g)
         self.comm.all_reduce(total, "sum", tag="grad_norm")
@@ -717,21 +893,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # ---------------------------------------------------------------------------------- step
     @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]
-        """Reduce, update the owned slices, gather; returns ``closure()``'s loss if given."""
+    def step(self, closure=None, grad_scaler: Any = None):  # type: ignore[override]
+        """Reduce, update the owned slices, gather; returns ``closure()``'s loss if given.
+
+        ``grad_scaler`` is passed by ``torch.amp.GradScaler.step(opt)`` (torch's protocol for optimizers
+        with ``_step_supports_amp_scaling``; torch warns that it is deprecated, the attribute protocol
+        could not make ``found_inf`` global): the reduced shards are unscaled here unless
+        ``scaler.unscale_(opt)`` already did, and the step is skipped on every rank alike when a reduced
+        shard on any rank holds inf/NaN; the global ``found_inf`` is written back into the scaler, so
+        ``scaler.update()`` backs off alike on every rank."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._check_lrs()
         self._wait_gathers()
-        self._launch_remaining()
-        self._launch_used()
-        if self._excluded:  # an unfrozen parameter is refused before any update, on every rank alike
-            self._wait_used()
+        self._readopt()
+        self._sync_checks()  # refusals happen here, before any update, on every rank alike
+        if grad_scaler is not None and self._apply_scaler(grad_scaler):
+            self._reset_step()  # inf/NaN somewhere: skipped on every rank (parameters and state unchanged)
+            return loss
         rank = self.comm.rank
         for ui, unit in enumerate(self._units):
-            self._reduce(unit)
             group = self.param_groups[unit.layout.group]
             used = self._unit_used(ui)
             if unit.layout.kind == "adamw":
@@ -746,6 +929,32 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._wait_gathers()
         self._reset_step()
         return loss
+
+    @torch.no_grad()
+    def _apply_scaler(self, scaler: Any) -> bool:
+        """Unscale the reduced shards by the scaler's ``1/scale`` unless ``scaler.unscale_(opt)`` already
+        scaled every ``p.grad`` by it (seen by :meth:`_sync_checks`); write the global ``found_inf``
+        into the scaler's per-optimizer record; return whether to skip the step."""
+        scale = scaler._scale
+        inv = scale.double().reciprocal().float()  # as GradScaler.unscale_ computes it
+        if self._grad_exp is None:
+            for unit in self._units:
+                unit.grad_shard.mul_(inv.to(device=unit.grad_shard.device, dtype=unit.grad_shard.dtype))
+        elif 2.0 ** self._grad_exp != float(inv):
+            self._reset_step()
+            raise ValueError(f"{type(self).__name__}: p.grad was scaled by 2**{self._grad_exp} after lowband reduced "
+                             f"it, but the GradScaler stepping this optimizer unscales by {float(inv):g}: call "
+                             "scaler.unscale_(opt) with the scaler that steps it, and edit .grad no other way")
+        found = float(self._found_inf)
+        st = scaler._per_optimizer_states[id(self)]
+        per_device = st["found_inf_per_device"]
+        if per_device:  # unscale_ recorded this rank's local verdict: make it the global one
+            for i, t in enumerate(per_device.values()):
+                t.fill_(found if i == 0 else 0.0)
+        else:
+            st["found_inf_per_device"] = {scale.device: torch.full((), found, dtype=torch.float32,
+                                                                    device=scale.device)}
+        return bool(found)
 
     def _param_wire(self, unit: _Unit) -> torch.dtype:
         return self.param_wire_dtype or unit.layout.dtype
@@ -919,6 +1128,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:  # type: ignore[override]
         """The optimizer state for ``torch.distributed.checkpoint`` (collective: call on every rank).
 
+        On more than one rank it holds this rank's chunks only, and says so: every ``Shard(0)`` DTensor
+        carries ``_lowband_shard_of = (rank, world_size)`` (a Python attribute, kept by ``torch.save`` /
+        ``torch.load`` and ``copy.deepcopy``; torch DCP loads in place into the loading rank's own
+        DTensors, so it never carries another rank's), checked by :meth:`load_state_dict`, which refuses
+        the state on another rank or world size, on every rank alike.
+
         ``{"state": {param_index: {"step", "exp_avg", "exp_avg_sq"} | {"momentum_buffer"} (+ "master")},
         "param_groups": [...]}`` in ``torch.optim`` numbering, each state tensor a ``Shard(0)`` DTensor
         of the parameter's full shape over this optimizer's group (a plain tensor on one rank), ``step``
@@ -928,7 +1143,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         would create if it has not stepped). Communication: :meth:`full_state_dict`'s all-gathers.
         For this rank's raw shard (no communication, same layout only) use :meth:`shard_state_dict`.
         """
-        full = self.full_state_dict()
+        with self._state_call("state_dict"):
+            full = self._full_state_dict()
         shard0 = self._shard0()
         params = [p for g in self.param_groups for p in g["params"]]
         state: dict[int, dict[str, Any]] = {}
@@ -947,6 +1163,41 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                       shard0.shard(v.reshape(p.shape))) for k, v in st.items()}
         return {"state": dict(sorted(state.items())), "param_groups": full["param_groups"]}
 
+    @contextlib.contextmanager
+    def _state_call(self, what: str) -> Iterator[None]:
+        """Turn a state collective's timeout (``state_timeout``) into one line naming the call."""
+        try:
+            yield
+        except RuntimeError as e:
+            if self.comm.size > 1 and "time" in str(e).lower() and "out" in str(e).lower():
+                raise RuntimeError(
+                    f"{type(self).__name__}.{what}: its collective did not complete within state_timeout="
+                    f"{self.state_timeout:g} s: {what}() is collective, call it on every rank (e.g. every rank "
+                    "calls opt.state_dict() and rank 0 saves it)") from None
+            raise
+
+    def _check_saved_by(self, state: dict) -> None:
+        """Refuse, on every rank alike, ``Shard(0)`` DTensors that another rank (or world size) made
+        (their ``_lowband_shard_of``; one ``all_gather_object``, ``tag="state"``, when any DTensor is
+        present)."""
+        from torch.distributed.tensor import DTensor
+
+        values = [v for st in state.values() if isinstance(st, dict) for v in st.values()]
+        if not any(isinstance(v, DTensor) for v in values):
+            return
+        mine = sorted({getattr(v, "_lowband_shard_of", None) for v in values if isinstance(v, DTensor)} - {None})
+        everyone = self._state_comm.all_gather_object(mine, tag="state")
+        n = self.comm.size
+        bad = [(r, e) for r, stamps in enumerate(everyone) for e in stamps if tuple(e) != (r, n)]
+        if bad:
+            r, e = bad[0]
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: rank {r} of {n} got a state_dict() saved by rank "
+                f"{e[0]} of {e[1]}, which holds only that rank's shard of the optimizer "
+                "state (e.g. rank 0 saved it and every rank loads it): save full_state_dict() (called on every "
+                "rank) and load it with load_full_state_dict() on every rank, or use torch DCP "
+                "(get_state_dict / set_state_dict with dcp.save / dcp.load)")
+
     def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
         """Load a :meth:`state_dict` (collective when it holds DTensors: call on every rank), saved at
         any world size, also as torch's ``set_state_dict`` hands it over (keys named by parameter
@@ -956,6 +1207,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if "sharding" in state_dict:
             self.load_shard_state_dict(state_dict)
             return
+        with self._state_call("load_state_dict"):
+            self._check_saved_by(state_dict["state"])
+            self._load_state_dict(state_dict)
+
+    def _load_state_dict(self, state_dict: dict) -> None:
         keyed = self._index_state(state_dict, "load_state_dict")
         flat = {(i, k): v for i, st in keyed.items() for k, v in st.items()}
         gathered = self._shard0().gather(flat)
@@ -969,7 +1225,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         from lowband.optim.sharded_state import Shard0
 
         if getattr(self, "_shard0_cache", None) is None:
-            self._shard0_cache = Shard0(self.comm)
+            self._shard0_cache = Shard0(self._state_comm)
         return self._shard0_cache
 
     def _index_state(self, state_dict: dict, what: str) -> dict[int, dict]:
@@ -1029,7 +1285,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 new["steps"] = [int(x) for x in steps]
             self.state[int(ui)] = new
 
-    @torch.no_grad()
     def full_state_dict(self) -> dict:
         """The whole optimizer state in ``torch.optim`` format, identical on every rank (collective).
 
@@ -1038,8 +1293,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ``torch.optim.AdamW.state_dict()`` numbers them, ``step`` per parameter. An AdamW parameter
         never used has no entry (as in torch) unless its unit keeps fp32 masters (then step 0, zero
         moments and its master). Every rank must call it; it issues one all-gather per state tensor
-        per unit that has state (``tag="state"``).
+        per unit that has state (``tag="state"``), on a group of its own whose timeout is
+        ``state_timeout``: called on some ranks only, it ends with one line after that time.
         """
+        with self._state_call("full_state_dict"):
+            return self._full_state_dict()
+
+    @torch.no_grad()
+    def _full_state_dict(self) -> dict:
         self._wait_gathers()
         rank = self.comm.rank
         out: dict[int, dict] = {}
@@ -1052,7 +1313,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 fulls = {}
                 for key in ("exp_avg", "exp_avg_sq"):
                     full = torch.empty(lay.numel, dtype=st[key].dtype, device=st[key].device)
-                    self.comm.all_gather(full, st[key], tag="state")
+                    self._state_comm.all_gather(full, st[key], tag="state")
                     fulls[key] = full
                 keep_unstepped = self._needs_master(unit)  # its master is state even before a first use
                 for mi, m in enumerate(lay.members):
@@ -1069,7 +1330,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 chunk = torch.zeros(c, rows, cols, dtype=mom.dtype, device=mom.device)
                 chunk[:lay.real_per_rank[rank]].copy_(mom)
                 full = torch.empty(lay.numel, dtype=mom.dtype, device=mom.device)
-                self.comm.all_gather(full, chunk, tag="state")
+                self._state_comm.all_gather(full, chunk, tag="state")
                 full3 = full.view(-1, rows, cols)
                 for m in lay.members:
                     out[m.index] = {"momentum_buffer": full3[m.offset // (rows * cols)].clone()}
@@ -1103,7 +1364,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             own = unit.param_buf.view(-1, rows, cols)[rank * c:rank * c + real]
             local[:real].copy_(st["master"] if "master" in st else own.to(acc))
         full = torch.empty(lay.numel, dtype=acc, device=unit.grad_shard.device)
-        self.comm.all_gather(full, local.contiguous().reshape(-1), tag="state")
+        self._state_comm.all_gather(full, local.contiguous().reshape(-1), tag="state")
         return full
 
     @torch.no_grad()

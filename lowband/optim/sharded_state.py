@@ -82,8 +82,11 @@ class Shard0:
 
         full = full.detach().contiguous()
         lo, hi = _chunk_bounds(full.shape[0], self.comm.size, self.comm.rank)
-        return DTensor.from_local(full[lo:hi].clone(), self._mesh_for(full.device), [Shard(0)], run_check=False,
-                                  shape=full.shape, stride=full.stride())
+        out = DTensor.from_local(full[lo:hi].clone(), self._mesh_for(full.device), [Shard(0)], run_check=False,
+                                 shape=full.shape, stride=full.stride())
+        # which rank's chunk this is (pickled with it): ShardedOptimizer.load_state_dict refuses it elsewhere
+        out._lowband_shard_of = (self.comm.rank, self.comm.size)  # type: ignore[attr-defined]
+        return out
 
     @torch.no_grad()
     def gather(self, values: dict[Any, Any]) -> dict[Any, Any]:

@@ -294,7 +294,7 @@ class GTPRuntime:
         if not any(m is model for m in self._models):
             self._models.append(model)
         for p in model.parameters():
-            if not is_gtp_param(p) and id(p) not in self._hooked:
+            if not is_gtp_param(p) and p.requires_grad and id(p) not in self._hooked:
                 self._hooked.add(id(p))
                 p.register_post_accumulate_grad_hook(_queue_hook(self))
 
@@ -798,13 +798,18 @@ class _GTPLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, shard: torch.Tensor, bias: torch.Tensor | None,
-                gw: GTPWeight, x_requires_grad: bool) -> torch.Tensor:
+                gw: GTPWeight, x_requires_grad: bool, cast: torch.dtype | None = None) -> torch.Tensor:
         rt = gw.runtime
         weight, release, consume = rt.acquire_forward(gw, x_requires_grad)
         try:
-            y = F.linear(x, weight, bias)
+            if cast is None:
+                y = F.linear(x, weight, bias)
+            else:  # under autocast: what F.linear does there (inputs, weight and bias in the cast dtype)
+                with torch.autocast(x.device.type, enabled=False):
+                    y = F.linear(x.to(cast), weight.to(cast), None if bias is None else bias.to(cast))
         finally:
             release()
+        ctx.cast = cast
         rt._log("gemm_done", "fwd", gw)
         ctx.save_for_backward(x, shard)
         ctx.gw = gw
@@ -817,23 +822,31 @@ class _GTPLinearFunction(torch.autograd.Function):
         gw: GTPWeight = ctx.gw
         rt = gw.runtime
         rt.begin_backward()
+        cast = ctx.cast
         dy2 = dy.reshape(-1, gw.out_features)
         x2 = x.reshape(-1, gw.in_features)
+        if cast is not None:  # the GEMMs of F.linear's backward under autocast, in the cast dtype
+            dy2, x2 = dy2.to(cast), x2.to(cast)
         dx = None
         if ctx.needs_input_grad[0]:
             weight, release = rt.acquire_backward(gw, ctx.consume)
             rt.prefetch_backward(gw, ctx.consume)
             try:
-                dx = dy2.mm(weight).view(x.shape)
+                dx = dy2.mm(weight if cast is None else weight.to(cast)).view(x.shape).to(x.dtype)
             finally:
                 release()
             rt._log("dgrad_done", "bwd", gw)
         else:
             rt.prefetch_backward(gw, ctx.consume)
         db = dy2.sum(0) if ctx.needs_input_grad[2] else None
+        if db is not None and cast is not None:
+            db = db.to(_shard.dtype)
         if ctx.needs_input_grad[1]:
-            rt.reduce_weight_grad(gw, lambda rows: torch.mm(dy2.t(), x2, out=rows), ctx.consume)
-        return dx, None, db, None, None
+            if cast is None:
+                rt.reduce_weight_grad(gw, lambda rows: torch.mm(dy2.t(), x2, out=rows), ctx.consume)
+            else:
+                rt.reduce_weight_grad(gw, lambda rows: rows.copy_(torch.mm(dy2.t(), x2)), ctx.consume)
+        return dx, None, db, None, None, None
 
 
 class _GTPEmbeddingFunction(torch.autograd.Function):
@@ -950,8 +963,11 @@ class GTPLinear(nn.Module):
         return mod
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dev = x.device.type
+        cast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
         if torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad):
-            return _GTPLinearFunction.apply(x, self.weight, self.bias, self.gtp, x.requires_grad)
+            with torch.autocast(dev, enabled=False):
+                return _GTPLinearFunction.apply(x, self.weight, self.bias, self.gtp, x.requires_grad, cast)
         weight, release = self.runtime.gather_for_inference(self.gtp)
         try:
             return F.linear(x, weight, self.bias)

@@ -8,7 +8,8 @@ kind       exit  meaning
 input      2     a bad config value, data file, checkpoint to load, or a run directory in use; raised
                  before the first training collective and alike on every rank
 failed     1     the run failed while training: non-finite steps, a checkpoint save or the final model export
-                 that failed (a full disk, ...)
+                 that failed (a full disk, ...), ranks whose weights drifted apart
+                 (``run.check_replicas_every``, :mod:`lowband.consistency`)
 peer       1     a collective failed because another rank died or hung (a consequence, not a cause)
 died       1     (launcher only) a rank process ended by a signal or without reporting
 unexpected 1     any other exception (a bug): the line names the type; the traceback is in the log
@@ -94,6 +95,7 @@ def _first_line(text: str) -> str:
 
 def classify(exc: BaseException, rank: int = 0, world_size: int = 1, log_path: Path | None = None) -> Outcome:
     """The :class:`Outcome` of an exception that ended a trainer process."""
+    from lowband.consistency import ReplicaDivergenceError
     from lowband.data.shards import ShardError
     from lowband.train.checkpoint import CheckpointError, CheckpointSaveError
     from lowband.train.config import ConfigError
@@ -106,7 +108,7 @@ def classify(exc: BaseException, rank: int = 0, world_size: int = 1, log_path: P
     if isinstance(exc, KeyboardInterrupt):
         return Outcome(128 + signal.SIGINT, "stopped", "stopped at once by a second SIGINT/SIGTERM "
                        "(no final checkpoint)", rank, world_size)
-    if isinstance(exc, CheckpointSaveError | NonFiniteStepError | ExportError):
+    if isinstance(exc, CheckpointSaveError | NonFiniteStepError | ExportError | ReplicaDivergenceError):
         return Outcome(EXIT_FAILED, "failed", _first_line(str(exc)), rank, world_size)
     if isinstance(exc, ConfigError | ShardError | CheckpointError | LockError):
         return Outcome(EXIT_INPUT, "input", _first_line(str(exc)), rank, world_size)

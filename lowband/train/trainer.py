@@ -6,6 +6,14 @@
 owns the optimizer), and runs ``run.steps`` optimizer steps with gradient accumulation, LR schedule,
 clipping, validation and logging. It can be called in-process (tests) or from the CLI
 (``python -m lowband.train``).
+
+Every ``run.check_replicas_every`` steps (default 100) the ranks check that they still hold the same model
+(:func:`lowband.consistency.check_replicas` on the world ``Comm``: parameters, not buffers, since DDP here does
+not sync buffers such as BatchNorm statistics; GTP/TP shards among the ranks that hold the same shard; DiLoCo
+replicas, :meth:`Strategy.replica_id`, not with each other). It costs one all-gather of
+``2 + 4 x parameters`` int64 words per rank (``(world - 1) x 8 x (2 + 4 x parameters)`` bytes on the wire,
+ledger tag ``replica_check``, counted in that step's wire bytes but not in its step time) and ends a drifting
+run with :class:`~lowband.consistency.ReplicaDivergenceError` on every rank (exit 1).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from lowband.consistency import check_replicas
 from lowband.plan import ModelPlan, plan_for
 from lowband.train.checkpoint import MARKER, STEP_PREFIX, TrainCheckpointer
 from lowband.train.config import Config, ConfigError, to_toml
@@ -314,6 +323,10 @@ def _train(cfg: Config, env: DistEnv, *, model_factory: ModelFactory | None, wri
         if env.device.type == "cuda":
             torch.cuda.synchronize(env.device)
         step_time = time.perf_counter() - t0
+        if cfg.run.check_replicas_every and (step + 1) % cfg.run.check_replicas_every == 0:
+            # one all-gather of checksums (tag replica_check): in this step's wire bytes, not in its step time
+            check_replicas(strategy.unwrapped(), env.comm, buffers=False, replica=strategy.replica_id(),
+                           context=f"after step {step + 1}")
         totals = ledger.mark_step()
         meter.add(loss_sum / cfg.data.grad_accum, grad_norm, step_time, totals.wire_bytes, totals.count,
                   verdict.skip)

@@ -95,7 +95,7 @@ def _replica_worker(cfg: dict) -> dict:
     diloco.close()
     recs = [(r.op, r.tag, r.numel, r.wire_bytes, r.wire_dtype, r.group) for r in ledger.records
             if r.tag.startswith("diloco")]
-    inner_ops = sorted({(r.op, r.group) for r in ledger.records if r.tag.startswith("grad")})
+    inner_ops = sorted({(r.op, r.group) for r in ledger.records if r.tag.startswith("grad:")})
     return {"snaps": snaps, "params": [p.detach().clone() for p in model.parameters()], "records": recs,
             "inner_ops": inner_ops,
             "frag_numels": [f.numel for f in diloco.frags]}

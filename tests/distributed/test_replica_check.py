@@ -192,3 +192,114 @@ def test_gtp_shard_drift_is_named_among_the_ranks_holding_that_shard() -> None:
                    "from here on)")
     assert [o["gtp"] for o in out] == [None] * 4  # each GTP group holds one copy of each shard: nothing to compare
     assert out[1]["dp"] is not None and out[3]["dp"] is not None and out[0]["dp"] is None
+
+
+def _dtensor_worker() -> list[str | None]:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    m = nn.Module()
+    m.sharded = nn.Parameter(distribute_tensor(torch.randn(8, 4, dtype=torch.float64), mesh, [Shard(0)]))
+    m.whole = nn.Parameter(distribute_tensor(torch.randn(3, dtype=torch.float64), mesh, [Replicate()]))
+    comm = Comm(name="world")
+    first = _catch(check_replicas, m, comm)  # the local shards differ by design
+    if dist.get_rank() == 1:
+        with torch.no_grad():
+            m.whole.to_local()[0] += 1e-12
+    return [first, _catch(check_replicas, m, comm)]
+
+
+def test_dtensor_shards_pass_and_a_replicated_dtensor_drift_is_named() -> None:
+    out = run_ranks(_dtensor_worker, 2, timeout=60)
+    assert all(o[0] is None for o in out) and len({o[1] for o in out}) == 1
+    assert "replicated parameter 'whole' differs: rank 1 of group 'world' holds other values than rank 0" in out[0][1]
+
+
+# ----------------------------------------------------------------------------------------- trainer
+
+
+def test_the_trainer_checks_by_default() -> None:
+    from lowband.train.config import Config
+
+    assert Config().run.check_replicas_every == 100
+
+
+def _trainer_config(shard: str, world: int, strategy: str, every: int):
+    from tests.distributed.test_trainer import tiny_config
+
+    cfg = tiny_config(shard, world, strategy, 2)
+    cfg.run.check_replicas_every = every
+    cfg.run.export = False
+    if strategy == "gtp":
+        cfg.gtp.size = 2
+    if strategy == "diloco":
+        cfg.diloco.num_replicas, cfg.diloco.inner, cfg.diloco.sync_every, cfg.diloco.fragments = 2, "gtp", 2, 1
+    return cfg
+
+
+def _drifting_factory(rank: int, call: int):
+    """lowband's GPT; on ``rank``, just before forward call ``call``, ``norm.weight[0] += 1e-12``."""
+    from lowband.train.models import gpt_factory
+
+    def factory(cfg):
+        model = gpt_factory(cfg)
+        calls = {"n": 0}
+
+        def pre_hook(module, args):
+            calls["n"] += 1
+            if calls["n"] == call and dist.get_rank() == rank:
+                with torch.no_grad():
+                    model.norm.weight[0] += 1e-12
+
+        model.register_forward_pre_hook(pre_hook)
+        return model
+
+    return factory
+
+
+def _trainer_worker(cfg, drift_rank: int = -1) -> dict:
+    from lowband.comm import default_ledger
+    from lowband.train.errors import classify
+    from lowband.train.trainer import train
+
+    ledger = default_ledger()
+    count, nbytes = ledger.count(tag="replica_check"), ledger.wire_bytes(tag="replica_check")
+    factory = _drifting_factory(drift_rank, 2) if drift_rank >= 0 else None
+    try:
+        res = train(cfg, write_run_dir=False, log=False, model_factory=factory)
+    except ReplicaDivergenceError as e:
+        outcome = classify(e)
+        return {"error": str(e), "code": outcome.code, "kind": outcome.kind}
+    return {"error": None, "checks": ledger.count(tag="replica_check") - count,
+            "bytes": ledger.wire_bytes(tag="replica_check") - nbytes,
+            "n": len({id(p) for p in res.strategy.unwrapped().parameters()}),
+            "wire": [r["wire_bytes"] for r in res.rows if "loss" in r]}
+
+
+@pytest.mark.parametrize(("strategy", "world"), [("ddp", 2), ("sharded-adamw", 2), ("gtp", 4), ("tp", 2),
+                                                 ("diloco", 4)])
+def test_every_strategy_passes_the_check_every_step(shard: str, strategy: str, world: int) -> None:
+    """Checked after each of the 4 steps: no false alarm (GTP/TP shards, DiLoCo replicas that differ), one
+    all-gather per check, ``(world - 1) x 8 x (2 + 4 x tensors)`` bytes each."""
+    for o in run_ranks(_trainer_worker, world, _trainer_config(shard, world, strategy, 1), timeout=120):
+        assert o["error"] is None and o["checks"] == 4
+        assert o["bytes"] == 4 * replica_check_bytes(o["n"], world)
+
+
+def test_the_check_is_counted_in_the_step_wire_bytes(shard: str) -> None:
+    on = run_ranks(_trainer_worker, 2, _trainer_config(shard, 2, "ddp", 2), timeout=120)
+    off = run_ranks(_trainer_worker, 2, _trainer_config(shard, 2, "ddp", 0), timeout=120)
+    extra = replica_check_bytes(on[0]["n"], 2)
+    assert off[0]["checks"] == 0 and on[0]["checks"] == 2
+    assert on[0]["wire"] == [w + (extra if step % 2 == 0 else 0) for step, w in enumerate(off[0]["wire"], 1)]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "gtp"])
+def test_a_drifting_rank_ends_the_run_on_every_rank(shard: str, strategy: str) -> None:
+    out = run_ranks(_trainer_worker, 2, _trainer_config(shard, 2, strategy, 2), 1, timeout=120)
+    assert len({o["error"] for o in out}) == 1
+    assert out[0]["error"] == ("replica check after step 2: replicated parameter 'norm.weight' differs: rank 1 of "
+                               "group 'world' holds other values than rank 0 (the ranks train different models from "
+                               "here on)")
+    assert all(o["code"] == 1 and o["kind"] == "failed" for o in out)

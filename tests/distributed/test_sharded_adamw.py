@@ -222,15 +222,16 @@ def esize(name: str) -> int:
     return torch.empty((), dtype=getattr(torch, name)).element_size()
 
 
-# flags of the "got a gradient" all-reduce: one per trainable parameter (13) and one per parameter
-# left out of the units (the frozen layer's weight and bias), uint8
-N_USED_FLAGS = 13 + 2
+# flags of the per-step all-reduce: one level per trainable parameter (13), one flag per parameter
+# left out of the units (the frozen layer's weight and bias), and 3 trailing bytes (GradScaler factor
+# as max and min codes, "a reduced shard is not finite"), uint8
+N_USED_FLAGS = 13 + 2 + 3
 
 
 def check_ledger(results: list[dict], dtype: str, wire: str | None, clip: bool,
                  param_wire: str | None = None) -> None:
     """One RS and one AG per unit per step, exact ring-model bytes; on N > 1 ranks one all-reduce of
-    the uint8 used flags (``grad_used``, launched right after the last RS, so before the norm); one
+    the uint8 used flags (``grad_used``, after the last RS completed, so before the norm); one
     scalar all-reduce if clipping."""
     pw = param_wire or dtype
     for res in results:

@@ -115,6 +115,13 @@ class Strategy:
         """The plain model (for evaluation and checkpoints)."""
         return getattr(self.model, "module", self.model)
 
+    def replica_id(self) -> int:
+        """Which model replica this rank trains, for the trainer's replica check (``run.check_replicas_every``,
+        :func:`lowband.consistency.check_replicas` over the world): ranks with the same id must hold bitwise
+        equal replicated parameters (and equal shards where they hold the same GTP/TP shard). 0 on every rank,
+        except under DiLoCo, whose replicas legitimately differ between syncs."""
+        return 0
+
     # ----------------------------------------------------------------------------------------------
     # Checkpoint and guard hooks (see docs/checkpoints.md). The defaults fit a strategy whose state is
     # the full model on every rank plus one torch optimizer over its parameters (``single``, ``ddp``).

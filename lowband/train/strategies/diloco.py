@@ -220,6 +220,10 @@ class DilocoStrategy(Strategy):
     def unwrapped(self) -> nn.Module:
         return self.inner.unwrapped()
 
+    def replica_id(self) -> int:
+        """The mesh's replica coordinate: replicas differ between syncs; the ranks inside one must agree."""
+        return self.mesh.coords.replica
+
     def optimizer_state_bytes(self) -> int:
         total = self.inner.optimizer_state_bytes()
         for o in self.diloco.outer:

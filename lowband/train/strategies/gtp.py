@@ -175,6 +175,10 @@ class GTPStrategy(Strategy):
 
     @contextlib.contextmanager
     def microbatch(self, last: bool) -> Iterator[None]:
+        if not last:  # as DDP.no_sync: replicated grads accumulate locally, the last backward averages
+            with self.runtime.no_sync():
+                yield
+            return
         yield
         if last:
             self.runtime.finalize_all()  # already drained by the backward callback; cheap no-op
