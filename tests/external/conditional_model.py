@@ -104,9 +104,11 @@ def muon_split(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]
 
 
 def reference_run(world: int, steps: int,
-                  make_opts: Callable[[ConditionalNet], list[torch.optim.Optimizer]]) -> dict:
-    """Single process, plain torch: the lanes' mean loss on rank 0's initial model, ``steps`` steps."""
-    model = seeded_net(0)
+                  make_opts: Callable[[ConditionalNet], list[torch.optim.Optimizer]],
+                  net: Callable[[int], ConditionalNet] = seeded_net) -> dict:
+    """Single process, plain torch: the lanes' mean loss on rank 0's initial model (``net(0)``),
+    ``steps`` steps."""
+    model = net(0)
     opts = make_opts(model)
     losses = []
     for step in range(steps):
@@ -126,3 +128,56 @@ def reference_run(world: int, steps: int,
             "state": {n: {k: (v.detach().clone() if torch.is_tensor(v) else v)
                           for k, v in opts[0].state[p].items()} for n, p in model.named_parameters()
                       if p in opts[0].state}}
+
+
+# ------------------------------------------------------------------ a TP-able variant
+class TPConditionalNet(ConditionalNet):
+    """``ConditionalNet`` with Megatron-style pairs a tensor-parallel plan can split (see
+    :func:`tp_conditional_plan`): ``branch`` -> ``branch_out``, ``lane0`` -> ``lane0_out`` and
+    ``mlp`` -> ``mlp_out`` are trainable column -> row pairs, and ``base2`` -> ``base2_out`` a frozen
+    pair (weights and biases ``requires_grad=False``) that every forward runs. Same conditions as the
+    parent: ``branch`` pair on even ``calls``, ``lane0`` pair on lane 0 when ``calls % 3 != 2``."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = DIM, r: int = RANK_R) -> None:
+        super().__init__(vocab, dim, r)
+        self.branch_out = nn.Linear(dim, dim)
+        self.lane0_out = nn.Linear(dim, dim)
+        self.mlp_out = nn.Linear(dim, dim)
+        self.base2 = nn.Linear(dim, dim)
+        self.base2_out = nn.Linear(dim, dim)
+        self.base2.requires_grad_(False)
+        self.base2_out.requires_grad_(False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor, lane: int) -> torch.Tensor:
+        h = (self.emb(idx) + self.aux(idx)) * self.mix
+        h = self.base(h) + self.lora_b(self.lora_a(h))
+        h = h + self.base2_out(torch.tanh(self.base2(h)))
+        if self.uses_branch():
+            h = h + self.branch_out(torch.tanh(self.branch(h)))
+        if self.uses_lane0(lane):
+            h = h + self.lane0_out(torch.tanh(self.lane0(h)))
+        h = h + self.mlp_out(F.relu(self.mlp(h)))
+        logits = self.head(h)
+        with torch.no_grad():
+            self.calls += 1
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+TP_PAIRS = ("base2", "branch", "lane0", "mlp")
+"""Column -> row pairs of :class:`TPConditionalNet` (``<name>`` column, ``<name>_out`` row)."""
+
+
+def seeded_tp_net(rank: int, dtype: torch.dtype = torch.float64) -> TPConditionalNet:
+    """Per-rank seeded :class:`TPConditionalNet`."""
+    torch.manual_seed(SEED + rank)
+    return TPConditionalNet().to(dtype)
+
+
+def tp_conditional_plan(pairs: tuple[str, ...] = TP_PAIRS):
+    """A :class:`lowband.plan.ModelPlan` splitting the given pairs of :class:`TPConditionalNet`."""
+    from lowband.plan import ModelPlan, ParallelLinear
+
+    linears = []
+    for name in pairs:
+        linears += [ParallelLinear(name, "column"), ParallelLinear(f"{name}_out", "row")]
+    return ModelPlan(parallel_linears=tuple(linears), vocab_size=VOCAB)

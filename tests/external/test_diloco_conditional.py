@@ -3,9 +3,11 @@ buffers (issue 20, DiLoCo's part), per-rank seeded, against a single-process sim
 
 Model: :class:`tests.external.conditional_model.ConditionalNet` (frozen embedding and frozen linear,
 LoRA-style adapter, a branch used on even steps only, ``lane0`` used by replica 0 only and not on
-every third step, a per-rank random buffer ``mix`` and a forward counter ``calls``). One replica per
-rank, each training on its own lane with torch AdamW over ``model.parameters()`` (frozen ones
-included: torch skips ``.grad is None``).
+every third step, a per-rank random buffer ``mix`` and a forward counter ``calls``). Every rank trains
+on its own data lane ``rank``. The inner strategies: one replica per rank with torch AdamW over
+``model.parameters()`` (frozen ones included: torch skips ``.grad is None``); 2 replicas x 2 ranks with
+ShardedAdamW over the replica's dp ranks; 2 replicas x 2 ranks with GTP inside the replica. The wire
+codecs: lossless fp64, and the lossy int8 and top-k with error feedback.
 
 The semantics under test (docs/diloco.md, "Frozen, unused and conditional parameters"):
 
@@ -19,8 +21,9 @@ The semantics under test (docs/diloco.md, "Frozen, unused and conditional parame
 * buffers are never synced after ``init_sync``.
 
 The simulation runs every replica in one process with the same arithmetic in the same order (AdamW per
-replica, flat fp64 pseudo-gradients averaged by :func:`reference_wire_all_reduce`, torch SGD per
-fragment on the global copies): the distributed run must equal it bitwise.
+replica on the mean of its lanes' gradients, flat fp64 pseudo-gradients plus the error-feedback residual
+averaged by :func:`reference_wire_all_reduce`, the residual kept by :func:`sender_roundtrip`, torch SGD
+per fragment on the global copies): the distributed run must equal it bitwise.
 """
 
 from __future__ import annotations
@@ -30,8 +33,12 @@ import torch
 import torch.distributed as dist
 
 from lowband.comm import Comm
-from lowband.comm.codecs import get_wire, reference_wire_all_reduce
-from lowband.diloco import StreamingDiLoCo, split_fragments
+from lowband.comm.codecs import MESSAGE_CODECS, get_wire, reference_wire_all_reduce, sender_roundtrip
+from lowband.diloco import StreamingDiLoCo, replica_mesh, split_fragments
+from lowband.diloco.shards import GTPShardLayout
+from lowband.optim import ShardedAdamW
+from lowband.parallel.gtp import GTPRuntime, shard_linears
+from lowband.parallel.mesh import build_mesh
 from lowband.testing import run_ranks
 from tests.external.conditional_model import lane_batch, seeded_net
 
@@ -53,25 +60,97 @@ def _state(model) -> dict:
             "buffers": {n: b.detach().clone() for n, b in model.named_buffers()}}
 
 
-def _worker(steps: int) -> dict:
-    rank = dist.get_rank()
+ADAMW_ONLY = {"replicas": None, "dp": 1, "inner": "adamw", "wire": "fp64", "ef": None}
+"""The base case: one replica per rank, torch AdamW inner, lossless fp64 wire."""
+BLOCK, TOPK_CHUNK, TOPK_K = 8, 8, 2  # codec settings (block scale per 8 values; top-2 of every 8)
+
+
+def _worker(steps: int, cfg: dict | None = None) -> dict:
+    """One rank: replica ``rank // dp``, data lane ``rank`` (``lane0`` runs on rank 0 only)."""
+    cfg = {**ADAMW_ONLY, **(cfg or {})}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dp = cfg["dp"]
     model = seeded_net(rank)  # nanoGPT style: every replica different, frozen weights and buffers too
     before = _state(model)
-    opt = _inner(model.parameters())
-    dl = StreamingDiLoCo(model, opt, comm=Comm(name="replica"), sync_every=H, fragments=NFRAG, delay=TAU,
-                         outer_optimizer=_outer, wire="fp64")
-    synced = _state(model)
+    layout = None
+    fragments: int | list = NFRAG
+    breaks = None
+    if cfg["inner"] == "adamw":
+        assert dp == 1
+        cross = Comm(name="replica")
+        opt = _inner(model.parameters())
+    elif cfg["inner"] == "sharded":  # ZeRO-style AdamW over the replica's dp ranks (inits its replica alike)
+        mesh = replica_mesh(world // dp)
+        cross = mesh.cross
+        opt = ShardedAdamW(model.parameters(), lr=LR, weight_decay=0.1, comm=mesh.dp, module=model,
+                           bucket_mb=1e-3)
+    else:  # GTP over the replica's ranks (dp 1 inside); lane0 runs on one rank only: kept replicated
+        frag_names = [f.names for f in split_fragments(model, NFRAG)]  # cut from the unsharded model
+        mesh = build_mesh(replica=world // dp, gtp=dp)
+        cross = mesh.replica
+        shard_linears(model, GTPRuntime(mesh.gtp), include=lambda name, _m: name != "lane0")
+        layout = GTPShardLayout(model)
+        params = dict(model.named_parameters())
+        fragments, breaks = [], []  # as the trainer does: whole parameters, a bucket break, then shards
+        for names in frag_names:
+            whole = [n for n in names if n not in layout.weights]
+            fragments.append([params[n] for n in whole + [n for n in names if n in layout.weights]])
+            breaks.append([sum(params[n].numel() for n in whole)])
+        opt = _inner(model.parameters())
+    dl = StreamingDiLoCo(model, opt, comm=cross, sync_every=H, fragments=fragments, delay=TAU,
+                         outer_optimizer=_outer, wire=cfg["wire"], block_size=BLOCK, topk_chunk=TOPK_CHUNK,
+                         topk_k=TOPK_K, error_feedback=cfg["ef"], bucket_breaks=breaks)
+    synced = _logical(model, layout)
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         model(*lane_batch(step, rank), rank).backward()
         opt.step()
     dl.close()
-    return {"before": before, "synced": synced, "after": _state(model), "committed": dl.committed,
-            "globals": [[g.clone() for g in gs] for gs in dl.globals], "frag_names": [f.names for f in dl.frags]}
+    names = dict((id(p), n) for n, p in model.named_parameters())
+    frag_names = [[names[id(p)] for p in f.params] for f in dl.frags]
+    globals_ = {n: (g if layout is None else layout.to_logical(n, g)).clone()
+                for ns, gs in zip(frag_names, dl.globals, strict=True) for n, g in zip(ns, gs, strict=True)}
+    return {"before": before, "synced": synced, "after": _logical(model, layout), "committed": dl.committed,
+            "globals": globals_, "frag_names": frag_names, "error_feedback": dl.error_feedback,
+            "residuals": [None if r is None else r.clone() for r in dl.residuals]}
 
 
-def _simulate(replicas: int, steps: int) -> dict:
-    """Every replica in one process, DiLoCo written out plainly; replica 0's initial weights and buffers."""
+def _logical(model, layout) -> dict:
+    """Parameters in logical (whole) shapes (GTP shards gathered: collective over the GTP group) and buffers."""
+    st = _state(model)
+    if layout is not None:
+        st["params"] = {n: layout.to_logical(n, p) for n, p in st["params"].items()}
+    return st
+
+
+def _lane_grads(model, step: int, lanes: list[int]) -> None:
+    """Set ``model``'s grads to the mean over ``lanes`` of each lane's gradient, the way data parallelism
+    averages (a lane without a grad contributes zeros; no lane with one: ``.grad`` stays ``None``)."""
+    grads = []
+    for lane in lanes:
+        model.zero_grad(set_to_none=True)
+        model.calls.fill_(step)  # each rank's model has seen ``step`` forwards
+        model(*lane_batch(step, lane), lane).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    model.calls.fill_(step + 1)
+    for n, p in model.named_parameters():
+        gs = [g[n] for g in grads]
+        if all(g is None for g in gs):
+            p.grad = None
+            continue
+        acc = (gs[0] if gs[0] is not None else torch.zeros_like(p)).clone()
+        for g in gs[1:]:
+            acc += g if g is not None else torch.zeros_like(p)
+        p.grad = acc / len(lanes)
+
+
+def _simulate(replicas: int, steps: int, cfg: dict | None = None) -> dict:
+    """Every replica in one process, DiLoCo written out plainly; replica 0's initial weights and buffers.
+    With ``dp`` lanes per replica the inner gradient is the lanes' average (:func:`_lane_grads`); with
+    error feedback each replica adds its fragment's residual before encoding and keeps what its own
+    message dropped (``pending - sender_roundtrip(pending)``), as lowband.diloco does."""
+    cfg = {**ADAMW_ONLY, **(cfg or {})}
+    dp = cfg["dp"]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -81,22 +160,33 @@ def _simulate(replicas: int, steps: int) -> dict:
         params = [dict(m.named_parameters()) for m in models]
         globals_ = [[params[0][n].detach().clone() for n in ns] for ns in names]
         outer = [_outer(g) for g in globals_]
-        codec = get_wire("fp64")
+        codec = get_wire(cfg["wire"], BLOCK, TOPK_CHUNK, TOPK_K)
+        ef = cfg["wire"] in MESSAGE_CODECS if cfg["ef"] is None else cfg["ef"]
+        residuals = [[torch.zeros(sum(params[0][n].numel() for n in ns), dtype=torch.float64) if ef else None
+                      for ns in names] for _ in range(replicas)]
         k = H // NFRAG
         local = committed = 0
         pending: list[torch.Tensor] = []
         for step in range(steps):
             for r, (m, o) in enumerate(zip(models, opts, strict=True)):
                 o.zero_grad(set_to_none=True)
-                m(*lane_batch(step, r), r).backward()
+                if dp == 1:
+                    m(*lane_batch(step, r), r).backward()
+                else:
+                    _lane_grads(m, step, [r * dp + d for d in range(dp)])
                 o.step()
             local += 1
             f = committed % NFRAG
             if local == k - TAU:
                 pending = [torch.cat([(g - params[r][n].detach()).reshape(-1) for g, n in zip(globals_[f], names[f])])
                            for r in range(replicas)]
+                if ef:
+                    pending = [pg + residuals[r][f] for r, pg in enumerate(pending)]
             if local == k:
                 avg = reference_wire_all_reduce(pending, codec, "avg")
+                if ef:
+                    for r in range(replicas):
+                        residuals[r][f] = pending[r] - sender_roundtrip(codec, pending[r], replicas)
                 off = 0
                 for g in globals_[f]:  # every fragment parameter gets a grad, zero or not (torchft)
                     g.grad = avg[off:off + g.numel()].view(g.shape).clone()
@@ -109,10 +199,44 @@ def _simulate(replicas: int, steps: int) -> dict:
                             params[r][n].copy_(g)
                 committed += 1
                 local = 0
-        return {"after": [_state(m) for m in models], "globals": globals_, "committed": committed,
-                "frag_names": names}
+        return {"after": [_state(m) for m in models], "committed": committed, "frag_names": names,
+                "globals": {n: g for ns, gs in zip(names, globals_) for n, g in zip(ns, gs)},
+                "globals_list": globals_, "residuals": residuals, "error_feedback": ef}
     finally:
         torch.set_num_threads(threads)
+
+
+def _check(out: list[dict], sim: dict, dp: int, steps: int) -> None:
+    """Every rank against the simulation: init sync (frozen parameters and buffers are replica 0's),
+    frozen parameters never change, local weights, buffers, global copies and residuals equal the
+    simulation bitwise."""
+    init = _state(seeded_net(0))
+    assert not torch.equal(out[0]["before"]["params"]["emb.weight"], out[-1]["before"]["params"]["emb.weight"])
+    assert not torch.equal(out[0]["before"]["buffers"]["mix"], out[-1]["before"]["buffers"]["mix"])
+
+    for rank, o in enumerate(out):
+        replica = rank // dp
+        for kind in ("params", "buffers"):  # init_sync: every parameter (frozen too) and buffer is replica 0's
+            for n, v in init[kind].items():
+                assert torch.equal(o["synced"][kind][n], v), f"rank {rank}: {kind} {n} after init_sync"
+        assert sorted(map(sorted, o["frag_names"])) == sorted(map(sorted, sim["frag_names"]))
+        assert not set(FROZEN) & {n for ns in o["frag_names"] for n in ns}
+        assert o["committed"] == sim["committed"] == (steps // (H // NFRAG))
+        assert o["error_feedback"] == sim["error_feedback"]
+        for n in FROZEN:
+            assert torch.equal(o["after"]["params"][n], init["params"][n]), f"rank {rank}: frozen {n} changed"
+        for n, v in sim["after"][replica]["params"].items():
+            assert torch.equal(o["after"]["params"][n], v), f"rank {rank}: param {n}"
+        for n, v in sim["after"][replica]["buffers"].items():
+            assert torch.equal(o["after"]["buffers"][n], v), f"rank {rank}: buffer {n}"
+        assert o["globals"].keys() == sim["globals"].keys()
+        for n, v in sim["globals"].items():
+            assert torch.equal(o["globals"][n], v), f"rank {rank}: global copy of {n}"
+        if sim["error_feedback"]:  # fragments in the simulation's order (no reordering without GTP)
+            assert o["frag_names"] == sim["frag_names"]
+            for f, (a, b) in enumerate(zip(o["residuals"], sim["residuals"][replica], strict=True)):
+                assert torch.equal(a, b), f"rank {rank}: residual of fragment {f}"
+                assert b.abs().max() > 0  # the codec really dropped something, and EF kept it
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -120,33 +244,57 @@ def test_frozen_params_and_buffers_synced_at_start_and_training_equals_simulatio
     steps = 11  # 5 syncs over 2 fragments (lane0 skipped on calls % 3 == 2, branch on odd calls)
     out = run_ranks(_worker, world, steps, timeout=120)
     sim = _simulate(world, steps)
-    init = _state(seeded_net(0))
-    assert not torch.equal(out[0]["before"]["params"]["emb.weight"], out[1]["before"]["params"]["emb.weight"])
-    assert not torch.equal(out[0]["before"]["buffers"]["mix"], out[1]["before"]["buffers"]["mix"])
-    for rank, o in enumerate(out):
-        # init_sync: every parameter (frozen too) and every buffer is replica 0's
-        for kind in ("params", "buffers"):
-            for n, v in init[kind].items():
-                assert torch.equal(o["synced"][kind][n], v), f"rank {rank}: {kind} {n} after init_sync"
-        # frozen parameters are in no fragment and never change; the rest equals the simulation bitwise
+    _check(out, sim, 1, steps)
+    for o in out:
         assert o["frag_names"] == sim["frag_names"]
-        assert not set(FROZEN) & {n for ns in o["frag_names"] for n in ns}
-        assert o["committed"] == sim["committed"] == 5
-        for n in FROZEN:
-            assert torch.equal(o["after"]["params"][n], init["params"][n]), f"rank {rank}: frozen {n} changed"
-        for kind in ("params", "buffers"):
-            for n, v in sim["after"][rank][kind].items():
-                assert torch.equal(o["after"][kind][n], v), f"rank {rank}: {kind} {n}"
-        for a, b in zip(o["globals"], sim["globals"], strict=True):
-            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), f"rank {rank}: global copy"
     # lane0 is used by replica 0 only: on the other replicas the inner optimizer never touches it, so it
     # is exactly the global copy its fragment's last sync wrote (a zero pseudo-gradient from them)
-    f = next(i for i, ns in enumerate(sim["frag_names"]) if "lane0.weight" in ns)
-    g = sim["globals"][f][sim["frag_names"][f].index("lane0.weight")]
+    g = sim["globals"]["lane0.weight"]
     assert not torch.equal(out[0]["after"]["params"]["lane0.weight"], g)
     for o in out[1:]:
         assert torch.equal(o["after"]["params"]["lane0.weight"], g)
     assert all(int(o["after"]["buffers"]["calls"]) == steps for o in out)  # buffers: per replica, not synced
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize(("wire", "ef"), [("int8", True), ("topk", None)], ids=["int8-ef", "topk-ef"])
+def test_lossy_codecs_with_error_feedback_equal_simulation(world: int, wire: str, ef: bool | None) -> None:
+    """int8 (block scales, error feedback asked for) and top-k (2 of every 8 values kept, error feedback
+    on by default) on the pseudo-gradients: the averaged pseudo-gradient, global copies, local weights
+    and every replica's residual equal the simulation's :func:`reference_wire_all_reduce` and
+    ``sender_roundtrip`` bitwise (the same encode / decode / average arithmetic in the same order)."""
+    steps = 11
+    cfg = {"wire": wire, "ef": ef}
+    out = run_ranks(_worker, world, steps, cfg, timeout=120)
+    sim = _simulate(world, steps, cfg)
+    assert sim["error_feedback"]
+    _check(out, sim, 1, steps)
+
+
+@pytest.mark.parametrize(("inner", "wire"), [("sharded", "fp64"), ("sharded", "topk"), ("gtp", "fp64")])
+def test_inner_strategies_equal_simulation(inner: str, wire: str) -> None:
+    """4 ranks = 2 replicas x 2 ranks, each replica training with ``inner`` over its 2 ranks (data lanes
+    ``rank``: lane0 runs on rank 0 only, so inside replica 0 it is averaged with zeros and replica 1 never
+    uses it): ``sharded`` = ShardedAdamW over the replica's dp ranks (its own init sync inside the replica,
+    DiLoCo's across replicas), ``gtp`` = GTP over the replica's ranks (every linear but lane0 sharded; the
+    fragments list whole parameters, a bucket break, then row shards, as the trainer builds them) with
+    torch AdamW. The simulation is torch AdamW on the mean of the replica's lanes' gradients.
+
+    Bitwise, both: the arithmetic is the simulation's. Each lane's gradient is the same matmuls (GTP
+    gathers the whole weight and runs the lane's forward and backward on it; its weight gradient is the
+    lane's ``dY^T X``); the average of two lanes, by reduce-scatter or all-reduce, is ``(a + b) / 2`` in
+    either order (two terms commute, halving is exact); ShardedAdamW's update is torch AdamW's arithmetic
+    and torch AdamW on a row shard is elementwise; the fp64 wire is lossless and top-k encodes the same
+    whole-parameter buckets as the simulation.
+    """
+    steps = 11
+    cfg = {"inner": inner, "dp": 2, "wire": wire}
+    out = run_ranks(_worker, 4, steps, cfg, timeout=120)
+    sim = _simulate(2, steps, cfg)
+    _check(out, sim, 2, steps)
+    for a, b in ((out[0], out[1]), (out[2], out[3])):  # the ranks of one replica hold the same model
+        for n, v in a["after"]["params"].items():
+            assert torch.equal(b["after"]["params"][n], v), n
 
 
 def _verify_worker(case: str) -> str:
