@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Newton-Schulz dtype of every Muon contender (auto: float32 on CPU, bfloat16 on GPU; "
                    "torch.optim.Muon is made to follow it, see lowband.bench.torch_muon)")
     p.add_argument("--baseline", default="ddp", help="contender(s) the ratios are computed against")
+    p.add_argument("--compile", action="store_true",
+                   help="also run the run.compile twin (inductor, per block) of ddp and sharded-adamw where named, "
+                   "paired with the eager row in ratio_vs (compile time excluded: warm-up steps)")
 
 
 def bench_config(opts: dict[str, Any], world: int) -> Config:
@@ -153,6 +156,10 @@ class StrategyContender:
                 setattr(getattr(cfg, section), k, v)
         strategy = get_strategy_class(self.strategy_name)(cfg, env)
         strategy.setup(build_model(cfg, env.device))
+        if cfg.run.compile:  # the trainer's run.compile: per block, after the strategy
+            from lowband.train.compiling import compile_model
+
+            compile_model(strategy.model)
         train = strategy_step(strategy, cfg)
         wire = getattr(strategy, "wire_bytes_per_step", None)
         return Contender(self.label, lambda i: train(*batches.get(i)), strategy.optimizer_state_bytes,
@@ -186,10 +193,19 @@ CONTENDERS: dict[str, Callable[[Config, DistEnv, Batches], Contender]] = {
 DEFAULT_CONTENDERS: tuple[str, ...] = tuple(CONTENDERS)
 """The full comparison of docs/PERFORMANCE.md's dp section: every registered contender."""
 
+COMPILED: dict[str, Callable[[Config, DistEnv, Batches], Contender]] = {
+    "ddp-compiled": StrategyContender("ddp", "ddp-compiled", {"run": {"compile": True}}),
+    "sharded-adamw-compiled": StrategyContender("sharded-adamw", "sharded-adamw-compiled", {"run": {"compile": True}}),
+}
+"""``--compile``: the ``run.compile = true`` twin of each named contender that has one (inductor, per block;
+compile time falls in the untimed warm-up steps), paired with its eager row in ``ratio_vs``."""
+
 PAIRED_BASELINES: dict[str, list[str]] = {
     "sharded-muon": ["ddp-muon", "fsdp2-muon", "sharded-adamw"],
     "fsdp2-muon": ["ddp-muon", "fsdp2"],
     "ddp-muon": ["ddp"],
+    "ddp-compiled": ["ddp"],
+    "sharded-adamw-compiled": ["sharded-adamw"],
 }
 """Ratios every run reports when both rows are present (besides ``--baseline``): lowband's Muon against
 torch's Muon baselines (the same optimizer), and each Muon row against its AdamW counterpart (Muon's
@@ -204,9 +220,11 @@ def run(env: DistEnv, opts: dict[str, Any]) -> dict[str, Any]:
     unknown = [c for c in names if c not in CONTENDERS]
     if unknown:
         raise ValueError(f"dp suite: unknown contenders {unknown}; allowed: {', '.join(CONTENDERS)}")
+    if opts.get("compile"):
+        names += [f"{n}-compiled" for n in names if f"{n}-compiled" in COMPILED]
     cfg = bench_config(opts, env.world_size)
     batches = Batches(cfg, env)
-    contenders = {n: CONTENDERS[n](cfg, env, batches) for n in names}
+    contenders = {n: {**CONTENDERS, **COMPILED}[n](cfg, env, batches) for n in names}
     ledger = env.ledger
     counters = {n: 0 for n in names}
     wire: dict[str, list[int]] = {n: [] for n in names}

@@ -58,7 +58,8 @@ from lowband.train.trainer import build_model
 CONTENDER_NAMES = ("fsdp2", "gtp", "gtp-bf16", "gtp-fp8", "gtp-muon", "gtp-muon-naive")
 
 
-PAIRED_BASELINES: dict[str, list[str]] = {"gtp-muon": ["gtp-muon-naive", "gtp"], "gtp-muon-naive": ["gtp"]}
+PAIRED_BASELINES: dict[str, list[str]] = {"gtp-muon": ["gtp-muon-naive", "gtp"], "gtp-muon-naive": ["gtp"],
+                                          "gtp-compiled": ["gtp"]}
 """Ratios every run reports when both rows are present: gtp-muon against the naive GTP + Muon (the same
 optimizer, issue 15's target) and each Muon row against AdamW GTP (Muon's own compute cost)."""
 
@@ -96,6 +97,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--muon-ns-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="Newton-Schulz dtype of the Muon contenders (auto: float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--baseline", default="fsdp2")
+    p.add_argument("--compile", action="store_true",
+                   help="also run gtp-compiled (gtp with run.compile: inductor, per block) where gtp is named, "
+                   "paired with gtp in ratio_vs (compile time excluded: warm-up steps)")
 
 
 @dataclasses.dataclass
@@ -163,9 +167,11 @@ def _fsdp2(cfg: Config, env: DistEnv, batches: Batches) -> _Runner:
     return _Runner("fsdp2", step, model, opt, count)
 
 
-def _gtp(gather: str, label: str, optimizer: str = "adamw") -> Callable[[Config, DistEnv, Batches], _Runner]:
+def _gtp(gather: str, label: str, optimizer: str = "adamw",
+         compiled: bool = False) -> Callable[[Config, DistEnv, Batches], _Runner]:
     """A ``gtp`` strategy contender: AdamW, ``gtp.optimizer = "muon"`` (``optimizer="muon"``), or the
-    naive Muon baseline (``optimizer="muon-naive"``: :mod:`lowband.bench.gtp_muon_naive`)."""
+    naive Muon baseline (``optimizer="muon-naive"``: :mod:`lowband.bench.gtp_muon_naive`); ``compiled``:
+    the trainer's ``run.compile`` (each block compiled by inductor after sharding)."""
 
     def make(cfg: Config, env: DistEnv, batches: Batches) -> _Runner:
         from lowband.train.strategies import get_strategy_class
@@ -182,6 +188,10 @@ def _gtp(gather: str, label: str, optimizer: str = "adamw") -> Callable[[Config,
         model = build_model(cfg, env.device)
         names = muon_names(model)
         strat.setup(model)
+        if compiled:
+            from lowband.train.compiling import compile_model
+
+            compile_model(strat.model)
         if optimizer == "muon-naive":
             strat.optimizer = naive_gtp_muon(strat.model, names, strat.runtime.comm, cfg.optim,
                                              muon_ns_dtype(cfg.optim.muon_ns_dtype, env.device))
@@ -245,6 +255,12 @@ FACTORIES: dict[str, Callable[[Config, DistEnv, Batches], _Runner]] = {
     "gtp-muon-naive": _gtp("native", "gtp-muon-naive", "muon-naive"),
 }
 
+COMPILED: dict[str, Callable[[Config, DistEnv, Batches], _Runner]] = {
+    "gtp-compiled": _gtp("native", "gtp-compiled", compiled=True),
+}
+"""``--compile``: ``gtp`` with ``run.compile = true`` too (inductor, per block, after sharding; compile time
+falls in the untimed warm-up steps), paired with ``gtp`` in ``ratio_vs``."""
+
 
 def _peak_memory(r: _Runner, env: DistEnv, step_index: int) -> int:
     if env.device.type == "cuda":
@@ -270,11 +286,13 @@ def run(env: DistEnv, opts: dict[str, Any]) -> dict[str, Any]:
     unknown = [c for c in names if c not in FACTORIES]
     if unknown:
         raise ValueError(f"gtp suite: unknown contenders {unknown}; allowed: {', '.join(FACTORIES)}")
+    if opts.get("compile"):
+        names += [f"{n}-compiled" for n in names if f"{n}-compiled" in COMPILED]
     cfg = bench_config({**opts, "bigram_rows": 0, "bucket_mb": 25.0}, env.world_size)
     cfg.gtp.fp8_block = opts["fp8_block"]
     cfg.gtp.muon_bucket_mb = opts["muon_bucket_mb"]
     batches = Batches(cfg, env)
-    runners = {n: FACTORIES[n](cfg, env, batches) for n in names}
+    runners = {n: {**FACTORIES, **COMPILED}[n](cfg, env, batches) for n in names}
     counters = {n: 0 for n in names}
     losses: dict[str, float] = {}
 

@@ -26,6 +26,11 @@ results and a single-process reference can reproduce them exactly.
 
 Every op returns a :class:`CommHandle`; with ``async_op=False`` it is already complete.
 
+``torch.compile``: every collective entry point (and :meth:`CommHandle.wait`) is
+``torch.compiler.disable``-d: dynamo never traces into a collective or the ledger (whose records,
+clocks and locks would otherwise be guarded on and traced every step, recompiling each time); a
+``Comm`` call inside compiled code is a graph break and runs eagerly, exactly as without compile.
+
 Private communicators: every lowband component (GTP runtime, sharded optimizer, TP layers, TP
 REKLS, GTP Muon, DiLoCo) runs its collectives on its own process group, derived from the user's
 group with :meth:`Comm.private` (same members in the same rank order, same ledger name, ledger and
@@ -96,6 +101,7 @@ class CommHandle:
         self._lock = threading.Lock()
         self._chained = finish_issues_collectives
 
+    @torch.compiler.disable
     def wait(self) -> torch.Tensor | None:
         if not self._done:
             for w in self._works:
@@ -323,6 +329,7 @@ class Comm:
         return handle
 
     # ------------------------------------------------------------------------------- all_reduce
+    @torch.compiler.disable
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, wire_dtype: torch.dtype | None = None,
                    async_op: bool = False, tag: str = "") -> CommHandle:
         """Reduce ``tensor`` in place over the group (``sum``, ``avg``, ``max`` or ``min``).
@@ -389,6 +396,7 @@ class Comm:
                                    async_op)
 
     # --------------------------------------------------------------------------- reduce_scatter
+    @torch.compiler.disable
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *,
                        wire_dtype: torch.dtype | None = None, async_op: bool = False,
                        tag: str = "") -> CommHandle:
@@ -463,6 +471,7 @@ class Comm:
         return self._finish_handle(CommHandle(rec, [work], t0, finish_a2a, output), async_op)
 
     # ------------------------------------------------------------------------------- all_gather
+    @torch.compiler.disable
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *,
                    wire_dtype: torch.dtype | None = None, async_op: bool = False,
                    tag: str = "") -> CommHandle:
@@ -506,6 +515,7 @@ class Comm:
         return self._finish_handle(CommHandle(rec, works, t0, finish, output), async_op)
 
     # ------------------------------------------------------------------------------- all_to_all
+    @torch.compiler.disable
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
                    output_split_sizes: Sequence[int] | None = None,
                    input_split_sizes: Sequence[int] | None = None, *, async_op: bool = False,
@@ -542,6 +552,7 @@ class Comm:
         return self._finish_handle(CommHandle(rec, [work], t0, None, output), async_op)
 
     # -------------------------------------------------------------------------------- broadcast
+    @torch.compiler.disable
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False,
                   tag: str = "") -> CommHandle:
         """Copy ``tensor`` from group rank ``src`` to every rank, in place."""
@@ -558,6 +569,7 @@ class Comm:
         return self._finish_handle(CommHandle(rec, [work], t0, None, tensor), async_op)
 
     # ---------------------------------------------------------------------------------- objects
+    @torch.compiler.disable
     def all_gather_object(self, obj: object, *, tag: str = "") -> list:
         """Every rank's picklable ``obj``, in rank order (used for cross-rank validation)."""
         t0 = time.perf_counter()
@@ -573,6 +585,7 @@ class Comm:
         rec.elapsed_s = time.perf_counter() - t0
         return out
 
+    @torch.compiler.disable
     def barrier(self, *, tag: str = "") -> None:
         """Block until every rank of the group arrives (recorded with zero bytes)."""
         t0 = time.perf_counter()
@@ -582,6 +595,7 @@ class Comm:
             dist.barrier(group=self.group)
         rec.elapsed_s = time.perf_counter() - t0
 
+    @torch.compiler.disable
     def agree(self, value: object, what: str, *, tag: str = "validate") -> None:
         """Raise ``ValueError`` on every rank alike if ``value`` differs between ranks."""
         values = self.all_gather_object(value, tag=tag)

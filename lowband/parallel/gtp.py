@@ -54,6 +54,18 @@ Buffers come from :class:`~lowband.parallel.gtp_cache.GTPBufferCache` keyed by
 ``(shape, dtype, direction, parity)`` (direction: ``fwd`` / ``bwd`` for fp8 gathers, one shared
 ``fwd|bwd`` pool for native and bf16 gathers, as Megatron keys direction only for quantized
 layouts; ``wgrad`` and ``rs`` for gradient scratch); see there for the stable-address argument.
+``torch.compile`` (of the whole model or of each block): the forward of :class:`GTPLinear` and
+:class:`GTPEmbedding` is ``torch.compiler.disable``-d, so each GTP layer is a graph break and dynamo
+compiles the regions between them (norms, attention, activations, residuals); the GTP forward, its
+gathers, the chain bookkeeping and the buffer cache always run eagerly, once per call, exactly as
+without compile. Dynamo never traces the runtime: traced, its Python state (chain position, the
+cache's free lists and held set, the ledger) would be guarded on and change every step (a recompile
+per step), and a frame that dynamo traces, then graph-breaks inside and resumes re-runs Python side
+effects such as ``GTPBufferCache.get`` / ``release`` (the observed "buffer is not held (double
+release?)"). The backward of the GTP autograd Functions runs in the eager autograd engine (compiled
+autograd is off by default), as do the end-of-backward drain and the replicated-gradient all-reduce.
+Every ``Comm`` collective is also opaque to dynamo (:mod:`lowband.comm.comm`).
+
 Documented bound of live unsharded bytes (gathered weights, dequantized copies, wgrad scratch),
 ``G`` = the largest
 gathered weight (wire buffer + dequantized copy when quantized), ``R`` = the largest padded wgrad:
@@ -962,7 +974,9 @@ class GTPLinear(nn.Module):
             mod.bias.requires_grad_(linear.bias.requires_grad)
         return mod
 
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x W^T + b``; opaque to ``torch.compile`` (a graph break: see the module docstring)."""
         dev = x.device.type
         cast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
         if torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad):
@@ -1019,7 +1033,9 @@ class GTPEmbedding(nn.Module):
         mod.weight.requires_grad_(emb.weight.requires_grad)
         return mod
 
+    @torch.compiler.disable
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """``W[idx]``; opaque to ``torch.compile`` (a graph break: see the module docstring)."""
         if torch.is_grad_enabled() and self.weight.requires_grad:
             return _GTPEmbeddingFunction.apply(idx, self.weight, self.gtp)
         weight, release = self.runtime.gather_for_inference(self.gtp)

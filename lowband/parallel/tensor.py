@@ -192,6 +192,33 @@ class _ScatterToTP(torch.autograd.Function):
         return torch.cat(list(buf.unbind(0)), dim=-1), None
 
 
+# ``torch.compile``: each TP collective (with its autograd Function) is opaque to dynamo, a graph break
+# that runs eagerly; the GEMMs and everything between the collectives are compiled. (The Functions' backward
+# runs in the eager autograd engine, compiled autograd being off by default.)
+@torch.compiler.disable
+def copy_to_tp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """Identity forward; all-reduce (sum, ``tp:col_dx``) of the gradient backward."""
+    return _CopyToTP.apply(x, comm)
+
+
+@torch.compiler.disable
+def reduce_from_tp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """All-reduce (sum, ``tp:row_y``) forward; identity backward."""
+    return _ReduceFromTP.apply(x, comm)
+
+
+@torch.compiler.disable
+def gather_from_tp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """All-gather along the last dim (``tp:gather_y``) forward; the local slice backward."""
+    return _GatherFromTP.apply(x, comm)
+
+
+@torch.compiler.disable
+def scatter_to_tp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """The local slice of the last dim forward; all-gather of the gradient (``tp:row_dx``) backward."""
+    return _ScatterToTP.apply(x, comm)
+
+
 def _dense_init(out_features: int, in_features: int, bias: bool, dtype: torch.dtype | None,
                 device: torch.device | str | None,
                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -258,10 +285,10 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_comm.size > 1:
-            x = _CopyToTP.apply(x, self.tp_comm)
+            x = copy_to_tp(x, self.tp_comm)
         y = F.linear(x, self.weight, self.bias)
         if self.gather_output and self.tp_comm.size > 1:
-            y = _GatherFromTP.apply(y, self.tp_comm)
+            y = gather_from_tp(y, self.tp_comm)
         return y
 
     def extra_repr(self) -> str:
@@ -323,10 +350,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = self.tp_comm.size
         if not self.input_is_parallel and n > 1:
-            x = _ScatterToTP.apply(x, self.tp_comm)
+            x = scatter_to_tp(x, self.tp_comm)
         y = F.linear(x, self.weight)
         if n > 1:
-            y = _ReduceFromTP.apply(y, self.tp_comm)
+            y = reduce_from_tp(y, self.tp_comm)
         if self.bias is not None:
             y = y + self.bias
         return y
@@ -351,6 +378,7 @@ class TPInputGather(nn.Module):
         self.module = module
         self.comm = comm.private("tp")
 
+    @torch.compiler.disable
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         if self.comm.size == 1:
             return x

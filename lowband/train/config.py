@@ -63,6 +63,12 @@ class RunConfig:
     (:func:`lowband.consistency.check_replicas`: one all-gather of ``2 + 4 x tensors`` int64 checksums per rank;
     GTP/TP shards compared among the ranks holding the same shard, DiLoCo replicas not with each other); a
     drift ends the run (exit 1) naming the first parameter that differs. 0 = off."""
+    compile: bool = False
+    """``torch.compile`` the model after the strategy has distributed it, for every strategy: each transformer
+    block on its own where the model has blocks (the largest ``nn.ModuleList`` of same-type modules,
+    torchtitan's way), else the whole model; in place (``module.compile()``), so parameter names,
+    checkpoints and exports are unchanged. lowband's collectives and GTP/TP layers are graph breaks that run
+    eagerly (docs/gtp.md). The first steps include compile time."""
 
 
 @dataclass(kw_only=True)

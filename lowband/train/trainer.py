@@ -33,6 +33,7 @@ from torch import nn
 from lowband.consistency import check_replicas
 from lowband.plan import ModelPlan, plan_for
 from lowband.train.checkpoint import MARKER, STEP_PREFIX, TrainCheckpointer
+from lowband.train.compiling import compile_model
 from lowband.train.config import Config, ConfigError, to_toml
 from lowband.train.env import DistEnv, init_distributed
 from lowband.train.forward import lm_loss, resolve_convention
@@ -263,6 +264,8 @@ def _train(cfg: Config, env: DistEnv, *, model_factory: ModelFactory | None, wri
     strategy.plan = plan
     strategy.forward = resolve_convention(model, cfg.model.forward)
     strategy.setup(model)
+    if cfg.run.compile:  # after the strategy distributed it (docs/cli.md)
+        compile_model(strategy.model)
     schedule = torch.optim.lr_scheduler.LambdaLR(strategy.optimizer, lr_factor(cfg))
     guard = NonFiniteGuard(env.metrics_comm, cfg.guard.skip_nonfinite, cfg.guard.max_consecutive)
     global_tokens = cfg.data.batch_size * cfg.model.seq_len * env.world_size
