@@ -23,6 +23,7 @@ from lowband.parallel.mesh import MeshShape, ParallelMesh, build_mesh
 from lowband.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
+    TPCollectiveError,
     TPInputGather,
     TPStateError,
     mark_partition,
@@ -31,7 +32,8 @@ from lowband.parallel.tp_shard import shard_tp
 from lowband.parallel.unshard import unsharded_copy
 
 __all__ = ["ColumnParallelLinear", "GTPCollectiveError", "GTPEmbedding", "GTPLinear", "GTPOptions", "GTPRuntime",
-           "GTPStateError", "MeshShape", "ParallelMesh", "RowParallelLinear", "TPInputGather", "TPStateError",
+           "GTPStateError", "MeshShape", "ParallelMesh", "RowParallelLinear", "TPCollectiveError", "TPInputGather",
+           "TPStateError",
            "build_mesh", "check_module_state", "clip_grad_norm_", "global_grad_norm", "mark_partition",
            "plan_filter", "shard_embeddings", "shard_linears", "shard_tp", "sync_module_state",
            "sync_replicated_grads", "unsharded_copy"]

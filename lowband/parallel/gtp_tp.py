@@ -26,7 +26,14 @@ from torch import nn
 
 from lowband.comm import Comm
 from lowband.parallel.gtp import GTPLinear, GTPRuntime
-from lowband.parallel.tensor import _CopyToTP, _GatherFromTP, _ReduceFromTP, _ScatterToTP, mark_partition
+from lowband.parallel.tensor import (
+    _next_site,
+    copy_to_tp,
+    gather_from_tp,
+    mark_partition,
+    reduce_from_tp,
+    scatter_to_tp,
+)
 
 
 def _check_tp_split(what: str, features: int, size: int) -> None:
@@ -62,16 +69,18 @@ class GTPColumnParallelLinear(nn.Module):
         if linear.bias is not None:
             local.bias.requires_grad_(linear.bias.requires_grad)
         self.inner = GTPLinear.from_linear(local, runtime, name=name)
+        self.tp_site = _next_site(tp_comm)
+        self.tp_name = name or f"{type(self).__name__} #{self.tp_site}"
         mark_partition(self.inner.weight, 0, tp_comm, (linear.out_features, linear.in_features))
         if self.inner.bias is not None:
             mark_partition(self.inner.bias, 0, tp_comm, (linear.out_features,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_comm.size > 1:
-            x = _CopyToTP.apply(x, self.tp_comm)
+            x = copy_to_tp(x, self.tp_comm, self.tp_site, self.tp_name)
         y = self.inner(x)
         if self.gather_output and self.tp_comm.size > 1:
-            y = _GatherFromTP.apply(y, self.tp_comm)
+            y = gather_from_tp(y, self.tp_comm, self.tp_site, self.tp_name)
         return y
 
 
@@ -99,6 +108,8 @@ class GTPRowParallelLinear(nn.Module):
             local.weight.copy_(linear.weight.chunk(n, 1)[r])
         local.weight.requires_grad_(linear.weight.requires_grad)
         self.inner = GTPLinear.from_linear(local, runtime, name=name)
+        self.tp_site = _next_site(tp_comm)
+        self.tp_name = name or f"{type(self).__name__} #{self.tp_site}"
         mark_partition(self.inner.weight, 1, tp_comm, (linear.out_features, linear.in_features))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(),
                                                                   requires_grad=linear.bias.requires_grad)
@@ -106,10 +117,10 @@ class GTPRowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = self.tp_comm.size
         if not self.input_is_parallel and n > 1:
-            x = _ScatterToTP.apply(x, self.tp_comm)
+            x = scatter_to_tp(x, self.tp_comm, self.tp_site, self.tp_name)
         y = self.inner(x)
         if n > 1:
-            y = _ReduceFromTP.apply(y, self.tp_comm)
+            y = reduce_from_tp(y, self.tp_comm, self.tp_site, self.tp_name)
         if self.bias is not None:
             y = y + self.bias
         return y

@@ -26,6 +26,16 @@ their own shared by every TP layer built on the same ``Comm`` (created, among th
 members, with the first layer), so collectives the user issues on the TP group can never pair with
 them; ``param.tp_comm`` is that private ``Comm`` (``param.tp_comm.parent`` is the one passed in).
 
+Agreement check: every TP collective of a layer carries the layer's signature, ``SITE_BITS`` (16)
+elements of +-1 spelling a number the layer got at construction (layers are built in the same order on
+every rank). Summed (all-reduce) each element is +-N exactly when every rank ran the same layer, and
+gathered (all-gather) the signatures must be equal; otherwise every rank raises
+:class:`TPCollectiveError` naming the layer it was running. So a TP layer run by some ranks only (a branch
+chosen by a rank's own data) fails at its first collective on every rank, instead of pairing with
+another layer's collective of the same shape and training on silently wrong sums. Cost: 16 elements per
+TP collective (the all-reduce already worked on a copy: the signature is appended to that copy; the
+all-gathers copy the local piece once more).
+
 Initialization: the dense weight is drawn like ``torch.nn.Linear`` from the global RNG (or the given
 generator) and sliced, so every TP rank must be in the same RNG state (``torch.manual_seed`` with the
 same seed) to build the same dense layer; :meth:`from_dense` slices an existing ``nn.Linear``.
@@ -128,95 +138,159 @@ def mark_partition(param: nn.Parameter, partition_dim: int | None, tp_comm: Comm
     return param
 
 
+class TPCollectiveError(RuntimeError):
+    """Ranks of a TP group paired collectives of different TP layers (a layer run by some ranks only)."""
+
+
+SITE_BITS = 16
+"""Elements of the layer signature each TP collective carries (see :func:`_signature`)."""
+
+
+def _next_site(comm: Comm) -> int:
+    """A number for a new TP layer on ``comm``: layers are built in the same order on every rank of the
+    group (``shard_tp`` walks the model in module order), so a layer has the same number everywhere."""
+    site = getattr(comm, "_tp_sites", 0) + 1
+    comm._tp_sites = site
+    return site
+
+
+def _signature(site: int, like: torch.Tensor) -> torch.Tensor:
+    """``SITE_BITS`` elements of +-1 spelling ``site`` in binary, in ``like``'s dtype and device.
+
+    Summed over a group of N ranks every element is exactly +-N (representable in any float dtype for
+    N <= 256, bf16's integer range) if and only if every rank ran the same layer; every rank sees the same
+    sums, so every rank reaches the same verdict. Gathered, the signatures are compared directly."""
+    bits = [1.0 if (site >> k) & 1 else -1.0 for k in range(SITE_BITS)]
+    return torch.tensor(bits, dtype=like.dtype, device=like.device)
+
+
+def _mismatch(comm: Comm, name: str, what: str) -> TPCollectiveError:
+    return TPCollectiveError(
+        f"TP: layer {name!r} ran its {what} while another rank of TP group {comm.name!r} (size {comm.size}) "
+        "ran a different TP layer's: every rank of a TP group must run every TP layer together, in the same "
+        "order (a layer used by some ranks only, e.g. a branch chosen by the rank's own data, cannot be "
+        "tensor-parallel: keep it out of the plan's parallel_linears so it stays replicated)")
+
+
+def _check_summed(sums: torch.Tensor, comm: Comm, name: str, what: str) -> None:
+    if not bool((sums.abs() == comm.size).all()):
+        raise _mismatch(comm, name, what)
+
+
+def _summed_with_signature(x: torch.Tensor, comm: Comm, site: int | None, name: str, tag: str,
+                           what: str) -> torch.Tensor:
+    """All-reduce (sum) a copy of ``x`` with the layer signature appended; check it; return the sum."""
+    if site is None:
+        out = x.contiguous().clone()
+        comm.all_reduce(out, "sum", tag=tag)
+        return out
+    flat = torch.cat([x.reshape(-1), _signature(site, x)])
+    comm.all_reduce(flat, "sum", tag=tag)
+    _check_summed(flat[-SITE_BITS:], comm, name, what)
+    return flat[:-SITE_BITS].view(x.shape)
+
+
+def _gathered_with_signature(x: torch.Tensor, comm: Comm, site: int | None, name: str, tag: str,
+                             what: str) -> torch.Tensor:
+    """All-gather ``x`` (``[n, *x.shape]``) with the layer signature appended to each rank's piece; check
+    that every rank's signature equals this rank's."""
+    xc = x.contiguous()
+    n = comm.size
+    if site is None:
+        buf = torch.empty((n, *xc.shape), dtype=xc.dtype, device=xc.device)
+        comm.all_gather(buf, xc, tag=tag)
+        return buf
+    sig = _signature(site, xc)
+    piece = torch.cat([xc.reshape(-1), sig])
+    buf = torch.empty((n, piece.numel()), dtype=xc.dtype, device=xc.device)
+    comm.all_gather(buf, piece, tag=tag)
+    if not bool((buf[:, -SITE_BITS:] == sig).all()):
+        raise _mismatch(comm, name, what)
+    return buf[:, :-SITE_BITS].reshape(n, *xc.shape)
+
+
 class _CopyToTP(torch.autograd.Function):
     """Identity forward; all-reduce (sum) of the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
-        ctx.comm = comm
+    def forward(ctx, x: torch.Tensor, comm: Comm, site: int | None = None, name: str = "") -> torch.Tensor:
+        ctx.comm, ctx.site, ctx.name = comm, site, name
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        ctx.comm.all_reduce(grad, "sum", tag="tp:col_dx")
-        return grad, None
+        grad = _summed_with_signature(grad, ctx.comm, ctx.site, ctx.name, "tp:col_dx",
+                                      "input-gradient all-reduce (backward)")
+        return grad, None, None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     """All-reduce (sum) forward; identity backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
-        out = x.contiguous().clone()
-        comm.all_reduce(out, "sum", tag="tp:row_y")
-        return out
+    def forward(ctx, x: torch.Tensor, comm: Comm, site: int | None = None, name: str = "") -> torch.Tensor:
+        return _summed_with_signature(x, comm, site, name, "tp:row_y", "output all-reduce (forward)")
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, None
+        return grad, None, None, None
 
 
 class _GatherFromTP(torch.autograd.Function):
     """All-gather along the last dim forward; keep the local slice backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, comm: Comm, site: int | None = None, name: str = "") -> torch.Tensor:
         ctx.comm = comm
-        n = comm.size
-        xc = x.contiguous()
-        buf = torch.empty((n, *xc.shape), dtype=xc.dtype, device=xc.device)
-        comm.all_gather(buf, xc, tag="tp:gather_y")
+        buf = _gathered_with_signature(x, comm, site, name, "tp:gather_y", "output all-gather (forward)")
         return torch.cat(list(buf.unbind(0)), dim=-1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         comm = ctx.comm
-        return grad.chunk(comm.size, dim=-1)[comm.rank].contiguous(), None
+        return grad.chunk(comm.size, dim=-1)[comm.rank].contiguous(), None, None, None
 
 
 class _ScatterToTP(torch.autograd.Function):
     """Keep the local slice of the last dim forward; all-gather of the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
-        ctx.comm = comm
+    def forward(ctx, x: torch.Tensor, comm: Comm, site: int | None = None, name: str = "") -> torch.Tensor:
+        ctx.comm, ctx.site, ctx.name = comm, site, name
         return x.chunk(comm.size, dim=-1)[comm.rank].contiguous()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        comm = ctx.comm
-        g = grad.contiguous()
-        buf = torch.empty((comm.size, *g.shape), dtype=g.dtype, device=g.device)
-        comm.all_gather(buf, g, tag="tp:row_dx")
-        return torch.cat(list(buf.unbind(0)), dim=-1), None
+        buf = _gathered_with_signature(grad, ctx.comm, ctx.site, ctx.name, "tp:row_dx",
+                                       "input-gradient all-gather (backward)")
+        return torch.cat(list(buf.unbind(0)), dim=-1), None, None, None
 
 
 # ``torch.compile``: each TP collective (with its autograd Function) is opaque to dynamo, a graph break
 # that runs eagerly; the GEMMs and everything between the collectives are compiled. (The Functions' backward
 # runs in the eager autograd engine, compiled autograd being off by default.)
 @torch.compiler.disable
-def copy_to_tp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+def copy_to_tp(x: torch.Tensor, comm: Comm, site: int | None = None, name: str = "") -> torch.Tensor:
     """Identity forward; all-reduce (sum, ``tp:col_dx``) of the gradient backward."""
-    return _CopyToTP.apply(x, comm)
+    return _CopyToTP.apply(x, comm, site, name)
 
 
 @torch.compiler.disable
-def reduce_from_tp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+def reduce_from_tp(x: torch.Tensor, comm: Comm, site: int | None = None, name: str = "") -> torch.Tensor:
     """All-reduce (sum, ``tp:row_y``) forward; identity backward."""
-    return _ReduceFromTP.apply(x, comm)
+    return _ReduceFromTP.apply(x, comm, site, name)
 
 
 @torch.compiler.disable
-def gather_from_tp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+def gather_from_tp(x: torch.Tensor, comm: Comm, site: int | None = None, name: str = "") -> torch.Tensor:
     """All-gather along the last dim (``tp:gather_y``) forward; the local slice backward."""
-    return _GatherFromTP.apply(x, comm)
+    return _GatherFromTP.apply(x, comm, site, name)
 
 
 @torch.compiler.disable
-def scatter_to_tp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+def scatter_to_tp(x: torch.Tensor, comm: Comm, site: int | None = None, name: str = "") -> torch.Tensor:
     """The local slice of the last dim forward; all-gather of the gradient (``tp:row_dx``) backward."""
-    return _ScatterToTP.apply(x, comm)
+    return _ScatterToTP.apply(x, comm, site, name)
 
 
 def _dense_init(out_features: int, in_features: int, bias: bool, dtype: torch.dtype | None,
@@ -265,6 +339,8 @@ class ColumnParallelLinear(nn.Module):
         self.bias = None if b is None else mark_partition(nn.Parameter(b.chunk(n, 0)[r].clone()), 0,
                                                           self.tp_comm, (out_features,))
         self.sections = 1  # set by shard_tp for fused projections (rows permuted, see permute_sections)
+        self.tp_site = _next_site(self.tp_comm)
+        self.tp_name = f"ColumnParallelLinear #{self.tp_site}"  # shard_tp sets the module's path
         _guard_state(self)
 
     @classmethod
@@ -285,10 +361,10 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_comm.size > 1:
-            x = copy_to_tp(x, self.tp_comm)
+            x = copy_to_tp(x, self.tp_comm, self.tp_site, self.tp_name)
         y = F.linear(x, self.weight, self.bias)
         if self.gather_output and self.tp_comm.size > 1:
-            y = gather_from_tp(y, self.tp_comm)
+            y = gather_from_tp(y, self.tp_comm, self.tp_site, self.tp_name)
         return y
 
     def extra_repr(self) -> str:
@@ -328,6 +404,8 @@ class RowParallelLinear(nn.Module):
                                      (out_features, in_features))
         self.bias = None if b is None else mark_partition(nn.Parameter(b), None, self.tp_comm,
                                                           (out_features,))
+        self.tp_site = _next_site(self.tp_comm)
+        self.tp_name = f"RowParallelLinear #{self.tp_site}"  # shard_tp sets the module's path
         _guard_state(self)
 
     @classmethod
@@ -350,10 +428,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = self.tp_comm.size
         if not self.input_is_parallel and n > 1:
-            x = scatter_to_tp(x, self.tp_comm)
+            x = scatter_to_tp(x, self.tp_comm, self.tp_site, self.tp_name)
         y = F.linear(x, self.weight)
         if n > 1:
-            y = reduce_from_tp(y, self.tp_comm)
+            y = reduce_from_tp(y, self.tp_comm, self.tp_site, self.tp_name)
         if self.bias is not None:
             y = y + self.bias
         return y

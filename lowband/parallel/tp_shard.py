@@ -107,6 +107,7 @@ def shard_tp(model: nn.Module, plan: ModelPlan, comm: Comm, *, init_sync: bool =
         else:
             layer = RowParallelLinear.from_dense(dense, comm)
         layer.weight.requires_grad_(dense.weight.requires_grad)
+        layer.tp_name = pl.module  # named in the TP agreement error (lowband.parallel.tensor)
         layer.weight.tp_sections = pl.sections if pl.style == "column" else 1
         if dense.bias is not None:
             layer.bias.requires_grad_(dense.bias.requires_grad)

@@ -9,6 +9,7 @@ from torch import nn
 
 from lowband.comm import Comm, CommLedger
 from lowband.parallel import ColumnParallelLinear, RowParallelLinear
+from lowband.parallel.tensor import SITE_BITS
 from lowband.testing import run_ranks
 
 
@@ -51,8 +52,10 @@ def _mlp_matches_dense(dtype_name: str) -> None:
         esize = x.element_size()
         assert ledger.count() == 2
         assert ledger.count("all_reduce", tag="tp:col_dx") == 1
-        assert ledger.wire_bytes("all_reduce", tag="tp:row_y") == 2 * (n - 1) * 3 * 5 * 6 * esize // n
-        assert ledger.wire_bytes("all_reduce", tag="tp:col_dx") == 2 * (n - 1) * 3 * 5 * 6 * esize // n
+        # the activation plus the SITE_BITS-element layer signature (the TP agreement check)
+        numel = 3 * 5 * 6 + SITE_BITS
+        assert ledger.wire_bytes("all_reduce", tag="tp:row_y") == 2 * (n - 1) * numel * esize // n
+        assert ledger.wire_bytes("all_reduce", tag="tp:col_dx") == 2 * (n - 1) * numel * esize // n
     else:
         assert ledger.count() == 0
 

@@ -125,12 +125,13 @@ def _divergent() -> tuple[str, str]:
     return "none", ""
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library gap (issue 20): TP layers have no agreement check like GTP's used flags. Rank 0 runs two more "
-    "TP all-reduces than rank 1 per lane0 step; they pair with rank 1's next ones of the same shape, so "
-    "rank 1 finishes with silently wrong weights and only rank 0 fails (a raw gloo recv timeout)"))
 def test_tp_layer_run_by_some_ranks_of_its_group_fails_on_every_rank() -> None:
+    """Every TP collective carries its layer's signature (lowband.parallel.tensor, ``SITE_BITS`` +-1
+    elements): the first paired collective of two different layers fails on every rank, before any
+    optimizer step, each rank naming the layer it was running."""
     res = run_ranks(_divergent, 2, timeout=60, pg_timeout=SHORT_PG_TIMEOUT)
     for kind, msg in res:
-        assert kind != "none", res
-        assert "lane0" in msg, res  # naming the layer that some ranks skipped
+        assert kind == "TPCollectiveError", res
+        assert "ran a different TP layer's" in msg and "keep it out of the plan's parallel_linears" in msg, res
+    assert "'lane0" in res[0][1], res  # rank 0 was in the lane-only layer
+    assert "'lane0" not in res[1][1], res  # rank 1 in the next layer of the model
