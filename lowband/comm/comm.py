@@ -71,6 +71,7 @@ import torch
 import torch.distributed as dist
 
 from lowband.comm.ledger import CommLedger, CommRecord, default_ledger, dtype_name, ring_wire_bytes
+from lowband.comm.opaque import opaque
 
 ALGORITHMS: dict[str, tuple[str, ...]] = {
     "reduce_scatter": ("native", "alltoall"),
@@ -101,7 +102,7 @@ class CommHandle:
         self._lock = threading.Lock()
         self._chained = finish_issues_collectives
 
-    @torch.compiler.disable
+    @opaque
     def wait(self) -> torch.Tensor | None:
         if not self._done:
             for w in self._works:
@@ -329,7 +330,7 @@ class Comm:
         return handle
 
     # ------------------------------------------------------------------------------- all_reduce
-    @torch.compiler.disable
+    @opaque
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, wire_dtype: torch.dtype | None = None,
                    async_op: bool = False, tag: str = "") -> CommHandle:
         """Reduce ``tensor`` in place over the group (``sum``, ``avg``, ``max`` or ``min``).
@@ -396,7 +397,7 @@ class Comm:
                                    async_op)
 
     # --------------------------------------------------------------------------- reduce_scatter
-    @torch.compiler.disable
+    @opaque
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *,
                        wire_dtype: torch.dtype | None = None, async_op: bool = False,
                        tag: str = "") -> CommHandle:
@@ -471,7 +472,7 @@ class Comm:
         return self._finish_handle(CommHandle(rec, [work], t0, finish_a2a, output), async_op)
 
     # ------------------------------------------------------------------------------- all_gather
-    @torch.compiler.disable
+    @opaque
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *,
                    wire_dtype: torch.dtype | None = None, async_op: bool = False,
                    tag: str = "") -> CommHandle:
@@ -515,7 +516,7 @@ class Comm:
         return self._finish_handle(CommHandle(rec, works, t0, finish, output), async_op)
 
     # ------------------------------------------------------------------------------- all_to_all
-    @torch.compiler.disable
+    @opaque
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
                    output_split_sizes: Sequence[int] | None = None,
                    input_split_sizes: Sequence[int] | None = None, *, async_op: bool = False,
@@ -552,7 +553,7 @@ class Comm:
         return self._finish_handle(CommHandle(rec, [work], t0, None, output), async_op)
 
     # -------------------------------------------------------------------------------- broadcast
-    @torch.compiler.disable
+    @opaque
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False,
                   tag: str = "") -> CommHandle:
         """Copy ``tensor`` from group rank ``src`` to every rank, in place."""
@@ -569,7 +570,7 @@ class Comm:
         return self._finish_handle(CommHandle(rec, [work], t0, None, tensor), async_op)
 
     # ---------------------------------------------------------------------------------- objects
-    @torch.compiler.disable
+    @opaque
     def all_gather_object(self, obj: object, *, tag: str = "") -> list:
         """Every rank's picklable ``obj``, in rank order (used for cross-rank validation)."""
         t0 = time.perf_counter()
@@ -585,7 +586,7 @@ class Comm:
         rec.elapsed_s = time.perf_counter() - t0
         return out
 
-    @torch.compiler.disable
+    @opaque
     def barrier(self, *, tag: str = "") -> None:
         """Block until every rank of the group arrives (recorded with zero bytes)."""
         t0 = time.perf_counter()
@@ -595,7 +596,7 @@ class Comm:
             dist.barrier(group=self.group)
         rec.elapsed_s = time.perf_counter() - t0
 
-    @torch.compiler.disable
+    @opaque
     def agree(self, value: object, what: str, *, tag: str = "validate") -> None:
         """Raise ``ValueError`` on every rank alike if ``value`` differs between ranks."""
         values = self.all_gather_object(value, tag=tag)

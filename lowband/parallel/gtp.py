@@ -91,6 +91,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lowband.comm import Comm, CommHandle
+from lowband.comm.opaque import opaque
 from lowband.parallel.gtp_cache import GTPBufferCache
 from lowband.parallel.gtp_quant import (
     BlockSpec,
@@ -974,7 +975,7 @@ class GTPLinear(nn.Module):
             mod.bias.requires_grad_(linear.bias.requires_grad)
         return mod
 
-    @torch.compiler.disable
+    @opaque
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x W^T + b``; opaque to ``torch.compile`` (a graph break: see the module docstring)."""
         dev = x.device.type
@@ -1033,7 +1034,7 @@ class GTPEmbedding(nn.Module):
         mod.weight.requires_grad_(emb.weight.requires_grad)
         return mod
 
-    @torch.compiler.disable
+    @opaque
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """``W[idx]``; opaque to ``torch.compile`` (a graph break: see the module docstring)."""
         if torch.is_grad_enabled() and self.weight.requires_grad:

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowband.comm import Comm
+from lowband.comm.opaque import opaque
 
 _LOCAL_STATE = [0]
 
@@ -269,25 +270,25 @@ class _ScatterToTP(torch.autograd.Function):
 # ``torch.compile``: each TP collective (with its autograd Function) is opaque to dynamo, a graph break
 # that runs eagerly; the GEMMs and everything between the collectives are compiled. (The Functions' backward
 # runs in the eager autograd engine, compiled autograd being off by default.)
-@torch.compiler.disable
+@opaque
 def copy_to_tp(x: torch.Tensor, comm: Comm, site: int | None = None, name: str = "") -> torch.Tensor:
     """Identity forward; all-reduce (sum, ``tp:col_dx``) of the gradient backward."""
     return _CopyToTP.apply(x, comm, site, name)
 
 
-@torch.compiler.disable
+@opaque
 def reduce_from_tp(x: torch.Tensor, comm: Comm, site: int | None = None, name: str = "") -> torch.Tensor:
     """All-reduce (sum, ``tp:row_y``) forward; identity backward."""
     return _ReduceFromTP.apply(x, comm, site, name)
 
 
-@torch.compiler.disable
+@opaque
 def gather_from_tp(x: torch.Tensor, comm: Comm, site: int | None = None, name: str = "") -> torch.Tensor:
     """All-gather along the last dim (``tp:gather_y``) forward; the local slice backward."""
     return _GatherFromTP.apply(x, comm, site, name)
 
 
-@torch.compiler.disable
+@opaque
 def scatter_to_tp(x: torch.Tensor, comm: Comm, site: int | None = None, name: str = "") -> torch.Tensor:
     """The local slice of the last dim forward; all-gather of the gradient (``tp:row_dx``) backward."""
     return _ScatterToTP.apply(x, comm, site, name)
@@ -456,7 +457,7 @@ class TPInputGather(nn.Module):
         self.module = module
         self.comm = comm.private("tp")
 
-    @torch.compiler.disable
+    @opaque
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         if self.comm.size == 1:
             return x
