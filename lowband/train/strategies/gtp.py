@@ -54,7 +54,6 @@ from lowband.parallel.gtp import (
     reduce_grads,
     shard_embeddings,
     shard_linears,
-    sync_replicated_grads,
 )
 from lowband.parallel.gtp_muon_state import GTPMuonStateLayout
 from lowband.parallel.gtp_quant import BlockSpec
@@ -181,8 +180,9 @@ class GTPStrategy(Strategy):
             return
         yield
         if last:
-            self.runtime.finalize_all()  # already drained by the backward callback; cheap no-op
-            sync_replicated_grads(self.runtime, self.model)
+            # the backward callback already drained the reduce-scatters and averaged the replicated
+            # grads over the GTP group (shard_linears attached the model): finalize_all is a cheap no-op
+            self.runtime.finalize_all()
             if self.mesh.dp.size > 1:
                 reduce_grads(self.mesh.dp, self.model.parameters(), "avg", tag="grad",
                              wire_dtype=_WIRE[self.cfg.strategy.grad_wire_dtype])
