@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -93,26 +94,36 @@ def _first_line(text: str) -> str:
     return lines[0].strip() if lines else ""
 
 
+def _loaded_classes(*names: tuple[str, str]) -> tuple[type, ...]:
+    """The classes ``(module, name)`` of modules already imported (others cannot have raised)."""
+    out = []
+    for mod, name in names:
+        cls = getattr(sys.modules.get(mod), name, None)
+        if isinstance(cls, type):
+            out.append(cls)
+    return tuple(out)
+
+
 def classify(exc: BaseException, rank: int = 0, world_size: int = 1, log_path: Path | None = None) -> Outcome:
     """The :class:`Outcome` of an exception that ended a trainer process."""
-    from lowband.consistency import ReplicaDivergenceError
-    from lowband.data.shards import ShardError
-    from lowband.train.checkpoint import CheckpointError, CheckpointSaveError
-    from lowband.train.config import ConfigError
-    from lowband.train.export import ExportError
-    from lowband.train.guards import NonFiniteStepError, PeerFailureError
-    from lowband.train.lock import LockError
-
+    # An exception can only be an instance of a class whose module is already imported, so the error
+    # classes are looked up in sys.modules: a config error in the launcher never imports torch for this.
+    failed = _loaded_classes(("lowband.train.checkpoint", "CheckpointSaveError"),
+                             ("lowband.train.guards", "NonFiniteStepError"), ("lowband.train.export", "ExportError"),
+                             ("lowband.consistency", "ReplicaDivergenceError"))
+    bad_input = _loaded_classes(("lowband.train.config", "ConfigError"), ("lowband.data.shards", "ShardError"),
+                                ("lowband.train.checkpoint", "CheckpointError"), ("lowband.train.lock", "LockError"))
+    peer = _loaded_classes(("lowband.train.guards", "PeerFailureError"))
     if isinstance(exc, StopRequested):
         return Outcome(128 + exc.signum, "stopped", str(exc), rank, world_size)
     if isinstance(exc, KeyboardInterrupt):
         return Outcome(128 + signal.SIGINT, "stopped", "stopped at once by a second SIGINT/SIGTERM "
                        "(no final checkpoint)", rank, world_size)
-    if isinstance(exc, CheckpointSaveError | NonFiniteStepError | ExportError | ReplicaDivergenceError):
+    if isinstance(exc, failed):
         return Outcome(EXIT_FAILED, "failed", _first_line(str(exc)), rank, world_size)
-    if isinstance(exc, ConfigError | ShardError | CheckpointError | LockError):
+    if isinstance(exc, bad_input):
         return Outcome(EXIT_INPUT, "input", _first_line(str(exc)), rank, world_size)
-    if isinstance(exc, PeerFailureError):
+    if isinstance(exc, peer):
         return Outcome(EXIT_FAILED, "peer", _first_line(getattr(exc, "detail", str(exc))), rank, world_size)
     where = f"; traceback in {log_path.parent}/" if log_path is not None else ""
     text = _first_line(str(exc))

