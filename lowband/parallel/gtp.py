@@ -15,7 +15,13 @@ State layout (per rank, GTP group of N ranks):
 * small parameters (biases, norms) are plain replicated parameters; their grads are all-reduced over
   the GTP group (``avg`` in mean mode, ``sum`` in sum mode) at the end of every backward, as DDP does
   (one coalesced all-reduce, tag ``gtp:replicated``, with :func:`reduce_grads`' semantics for ``None``
-  grads; not inside :meth:`GTPRuntime.no_sync`);
+  grads; not inside :meth:`GTPRuntime.no_sync`). The same all-reduce carries one *used* flag and one
+  *non-finite* flag per GTP weight: a shard gradient holding inf/NaN on any rank then shows it on
+  every rank, so ``torch.amp.GradScaler`` skips alike, as under DDP (:meth:`GTPRuntime.share_nonfinite`;
+  without trainable replicated parameters the flags travel alone);
+* optimizer state of a shard (a torch optimizer's moments: this rank's rows) is stamped with its GTP
+  rank and size; loading another rank's (nanoGPT's resume: rank 0's ``opt.state_dict()`` loaded by
+  every rank) is refused at the next ``step()`` on every rank (:func:`_check_optimizer_state`);
 * parameter identity: :func:`shard_linears` / :func:`shard_embeddings` keep the user's ``Parameter``
   objects (the weight's ``.data`` becomes the shard, the bias is the same object), so an optimizer
   built before sharding trains every tensor.
@@ -88,7 +94,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from lowband.comm import Comm, CommHandle
 from lowband.comm.opaque import opaque
@@ -148,6 +154,12 @@ class GTPOptions:
             changed after GTP reduced them (``torch.nn.utils.clip_grad_norm_`` clips each rank by the
             norm of its own shards). Elementwise edits that are the same on every rank
             (``clip_grad_value_``, a scale) are exact: pass ``False`` to allow them.
+        share_nonfinite: make a shard gradient that holds inf/NaN on one rank show it on every rank
+            (see :meth:`GTPRuntime.share_nonfinite`), so ``torch.amp.GradScaler`` skips the step and
+            backs off on every rank alike, as under DDP. Costs one inf-norm scan of each shard gradient
+            (when its reduce-scatter is finalized) and one flag per GTP weight in the replicated-gradient
+            all-reduce; ``False`` skips both (then an overflow confined to one rank's shards makes ranks
+            step differently under a GradScaler).
     """
 
     gather_format: str = "native"
@@ -161,6 +173,7 @@ class GTPOptions:
     cache_wire_shard: bool = False
     state_timeout: float = 60.0
     check_grad_edits: bool = True
+    share_nonfinite: bool = True
 
     def __post_init__(self) -> None:
         check_format(self.gather_format)
@@ -170,7 +183,8 @@ class GTPOptions:
             else:
                 raise TypeError(f"GTPOptions.fp8_block must be a BlockSpec or (rows, cols), got "
                                 f"{self.fp8_block!r}")
-        for name in ("prefetch", "async_reduction", "record_events", "cache_wire_shard", "check_grad_edits"):
+        for name in ("prefetch", "async_reduction", "record_events", "cache_wire_shard", "check_grad_edits",
+                     "share_nonfinite"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"GTPOptions.{name} must be a bool, got {getattr(self, name)!r}")
         d = self.finalize_depth
@@ -206,6 +220,8 @@ class GTPWeight:
         self.used = False  # consumed by a grad-enabled forward since the last sync_replicated_grads
         self._wire_key: tuple[int, int] | None = None
         self._wire_src: torch.Tensor | None = None
+        # (inf-norm of .grad, that .grad, its version) taken when a reduce-scatter was finalized into it
+        self._scan: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     @property
     def pad(self) -> int:
@@ -277,6 +293,9 @@ class GTPRuntime:
         self.options = options
         self.size = comm.size
         self.rank = comm.rank
+        # stamped on the optimizer state tensors of this runtime's shards (see _check_optimizer_state);
+        # this very object marks a tensor as checked in this process
+        self._optim_stamp: tuple[int, int] = (self.rank, self.size)
         self._models: list[nn.Module] = []  # attached models: their replicated grads are reduced in backward
         self._hooked: set[int] = set()
         self._no_sync_depth = 0
@@ -342,17 +361,19 @@ class GTPRuntime:
     def _reduce_replicated(self, params: list[nn.Parameter]) -> None:
         op = "avg" if self.options.grad_mode == "mean" else "sum"
         weights = self.weights
+        local = self._nonfinite_local() if self.options.share_nonfinite and self.size > 1 and weights else None
         try:
-            mixed = _reduce_grads(self.comm, params, op, tag="gtp:replicated", wire_dtype=None,
-                                  extra_flags=[gw.used for gw in weights])
+            res = _reduce_grads(self.comm, params, op, tag="gtp:replicated", wire_dtype=None,
+                                extra_flags=[gw.used for gw in weights], extra_tensor=local)
         except RuntimeError as e:
             raise GTPCollectiveError(
                 f"GTP: the all-reduce of the replicated gradients over group {self.comm.name!r} (size "
                 f"{self.size}) failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}. Every rank "
                 "of the GTP group must run the same forwards and backwards of a GTP model, using the same "
                 "GTP layers") from e
-        if mixed is None:
-            return  # no trainable replicated parameter: nothing sent, flags not checked
+        if res is None:
+            return  # no trainable replicated parameter and no flags to share: nothing sent
+        mixed, anywhere = res
         for gw in weights:
             gw.used = False
         if any(mixed):
@@ -363,6 +384,66 @@ class GTPRuntime:
                 "reduce-scattered collectively, so its collectives paired with other weights' collectives "
                 "of the other ranks and this step's gradients are wrong. Keep conditionally used layers "
                 "replicated (shard_linears(..., include=...)) or run every GTP layer on every rank")
+        if local is not None and any(anywhere):
+            self.share_nonfinite(anywhere, local)
+
+    @torch.no_grad()
+    def _nonfinite_local(self) -> torch.Tensor:
+        """Per GTP weight, ``1.0`` where this rank's shard gradient holds inf/NaN (float32, on the
+        shards' device; no host sync). Uses the scan taken when the weight's last reduce-scatter was
+        finalized if ``.grad`` is still that tensor at that version, else scans ``.grad`` now."""
+        weights = self.weights
+        flags = torch.zeros(len(weights), dtype=torch.float32, device=weights[0].param.device)
+        idx: list[int] = []
+        bad: list[torch.Tensor] = []
+        for i, gw in enumerate(weights):
+            scan, gw._scan = gw._scan, None  # never keep a reference to a gradient past this point
+            g = gw.param.grad
+            if g is None:
+                continue
+            if scan is not None and scan[1] is g and scan[2] == g._version:
+                norm = scan[0]
+            else:  # edited or zeroed since its finalize, or not reduced in this window
+                norm = torch.linalg.vector_norm(g, math.inf)
+            idx.append(i)
+            bad.append(~torch.isfinite(norm))  # before any cast: a finite float64 norm may overflow float32
+        if idx:
+            flags[idx] = torch.stack(bad).to(device=flags.device, dtype=flags.dtype)
+        return flags
+
+    @torch.no_grad()
+    def share_nonfinite(self, anywhere: list[bool], local: torch.Tensor) -> None:
+        """Make every GTP weight whose shard gradient holds inf/NaN on some rank show it on this rank too.
+
+        Under DDP an inf/NaN anywhere in a gradient reaches every rank through the all-reduce, so
+        ``torch.amp.GradScaler.unscale_`` finds it on every rank and every rank skips the step and backs
+        off its scale. A GTP shard gradient is only this rank's rows, so an overflow confined to rows
+        another rank owns would be seen there only (one rank skips, another steps: silently wrong). At
+        the end of every synchronizing backward each rank flags its non-finite shard gradients in the
+        replicated-gradient all-reduce (tag ``gtp:replicated``, one element per GTP weight, no extra
+        collective); a weight flagged by any rank and finite here gets NaN written into the first
+        element of its shard gradient, so every optimizer holding that weight finds inf/NaN on every
+        rank, exactly where DDP's would (per weight, so with several optimizers the same ones skip).
+
+        Cost per synchronizing backward: one inf-norm of each shard gradient when its reduce-scatter
+        is finalized (a read of the shard gradients, ``1/N`` of the full ones, overlapped with the
+        reduce-scatters still in flight; the chain head's is the last), a re-scan of any gradient
+        edited since, and ``len(weights)`` more elements in the existing all-reduce. Nothing waits
+        longer than before: the all-reduce already followed the last reduce-scatter.
+
+        Without a GradScaler, a skipped step was never going to happen: an inf/NaN gradient makes DDP's
+        update non-finite too; this rank's NaN element then lands in one more element of the update.
+        A weight with no ``.grad`` on this rank is left as it is (every reduce-scatter gives every rank
+        its shard gradient: only code clearing ``.grad`` on some ranks alone gets there)."""
+        mine = local.tolist()
+        changed = []
+        for gw, any_rank, here in zip(self.weights, anywhere, mine, strict=True):
+            g = gw.param.grad
+            if any_rank and not here and g is not None:
+                g[(0,) * g.dim()] = math.nan
+                changed.append(gw.param)
+        if changed:
+            self.record_grads(changed)
 
     # ------------------------------------------------------------------------------ grad edits
     def record_grads(self, params: Iterable[torch.Tensor] | None = None) -> None:
@@ -716,6 +797,9 @@ class GTPRuntime:
             p.grad = pend.out.clone()
         else:
             p.grad.add_(pend.out)
+        if self.options.share_nonfinite and self.size > 1:
+            g = p.grad  # scanned now, while later reduce-scatters are in flight (see share_nonfinite)
+            pend.gw._scan = (torch.linalg.vector_norm(g, math.inf), g, g._version)
         self.cache.release(pend.wbuf)
         self.cache.release(pend.out)
         self._log("rs_finalize", "bwd", pend.gw)
@@ -793,17 +877,120 @@ def note_grads(params: Iterable[torch.Tensor]) -> None:
             rt.record_grads(params)
 
 
+_STAMP = "_lowband_gtp_shard"  # attribute of an optimizer state tensor of a GTP shard: (GTP rank, GTP size)
+
+
+def _shard_states(optimizer: torch.optim.Optimizer) -> Iterator[tuple[GTPWeight, torch.Tensor]]:
+    """``(weight, state tensor)`` for every tensor in ``optimizer.state`` of a GTP shard it holds."""
+    state = getattr(optimizer, "state", None)
+    if not isinstance(state, dict):
+        return
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            gw = getattr(p, "gtp", None)
+            if gw is None:
+                continue
+            st = state.get(p)  # .get: never adds an entry to torch's defaultdict
+            if isinstance(st, dict):
+                for v in st.values():
+                    if isinstance(v, torch.Tensor):
+                        yield gw, v
+
+
+def _check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse, on every rank, optimizer state of GTP shards that another GTP rank made (nanoGPT's resume).
+
+    The state tensors of a GTP shard (AdamW's moments: this rank's rows only) carry a Python attribute
+    ``_lowband_gtp_shard = (GTP rank, GTP size)``, set after each ``step()`` (and on a tensor that has
+    none, e.g. from DCP / :class:`~lowband.parallel.gtp_state.GTPStateLayout`). ``opt.state_dict()``
+    hands out those tensors, and ``torch.save`` / ``torch.load`` (``weights_only`` too) and
+    ``copy.deepcopy`` keep the attribute; ``opt.load_state_dict`` keeps the loaded tensor when its
+    dtype and device already fit. Torch optimizers never read it.
+
+    Before a step, a tensor whose stamp is this runtime's own object was checked before: nothing to
+    do (the steady state; no collective). A stamp that is only *equal* (or different) comes from a
+    loaded state: its GTP group then runs one all-reduce (MAX, 3 int64: "a stamp here is another
+    rank's or GTP size's", that rank + 1, that size; tag ``"gtp:optim_state"``) on the runtime's state
+    group, so every rank refuses alike with :class:`GTPStateError`, before anything steps; a rank
+    that loaded alone fails within :attr:`GTPOptions.state_timeout` (a
+    :class:`GTPCollectiveError`). One such all-reduce per GTP group at the first step after each
+    ``load_state_dict`` of a pickled or copied state; never otherwise.
+
+    Not detected: a state whose tensors lost the attribute (``load_state_dict`` moving them to another
+    device or dtype, a ``.clone()`` / ``.to()`` by the user before loading, a format other than pickle),
+    and state tensors an optimizer replaces with new ones inside ``step()`` after an unstamped load.
+    """
+    pending: dict[int, list] = {}
+    for gw, t in _shard_states(optimizer):
+        rt = gw.runtime
+        live = rt._optim_stamp
+        stamp = t.__dict__.get(_STAMP)
+        if stamp is live:
+            continue
+        if stamp is None:  # fresh, or loaded through DCP: nothing says it is another rank's
+            setattr(t, _STAMP, live)
+            continue
+        entry = pending.setdefault(id(rt), [rt, None, [], gw.param.device])  # not a state's: "step" may be on CPU
+        if entry[1] is None and tuple(stamp) != live:
+            entry[1] = tuple(stamp)
+        entry[2].append(t)
+    for rt, foreign, tensors, device in pending.values():
+        verdict = [0, 0, 0] if foreign is None else [1, int(foreign[0]) + 1, int(foreign[1])]
+        if rt.size > 1:
+            buf = torch.tensor(verdict, dtype=torch.int64, device=device)
+            try:
+                rt.state_comm.all_reduce(buf, "max", tag="gtp:optim_state")
+            except RuntimeError as e:
+                raise GTPCollectiveError(
+                    f"GTP: optimizer.step() after load_state_dict: the check of the loaded optimizer state "
+                    f"over group {rt.comm.name!r} (size {rt.size}) did not complete within "
+                    f"{rt.options.state_timeout:g} s ({str(e).splitlines()[0] if str(e) else type(e).__name__}): "
+                    "every rank of the GTP group must load its optimizer state and step together; "
+                    "GTPOptions(state_timeout=...) sets the wait") from None
+            verdict = [int(v) for v in buf.tolist()]
+        if verdict[0]:
+            raise GTPStateError(
+                f"GTP: optimizer.step(): the optimizer state of the GTP shards was loaded from a state_dict() "
+                f"made on GTP rank {verdict[1] - 1} of {verdict[2]} by at least one rank of this group of "
+                f"{rt.size} (e.g. nanoGPT's resume: rank 0 saves its opt.state_dict(), every rank loads it), "
+                "so that rank would step with another rank's rows of the moments; save and load each rank's "
+                "own opt.state_dict() (one file per rank, the same GTP size), or checkpoint with "
+                "lowband.parallel.gtp_state.GTPStateLayout(model, opt) and torch.distributed.checkpoint "
+                "(reshardable)")
+        for t in tensors:
+            setattr(t, _STAMP, rt._optim_stamp)
+
+
 def _step_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Before every ``optimizer.step()``: refuse gradients of GTP models edited outside lowband."""
+    """Before every ``optimizer.step()``: refuse optimizer state of GTP shards loaded from another rank's
+    state dict (:func:`_check_optimizer_state`), and gradients of GTP models edited outside lowband."""
     if not _RUNTIMES:
         return
+    _check_optimizer_state(optimizer)
     ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
     for rt in list(_RUNTIMES):
         if rt._grad_records:
             rt.check_grad_edits(ids)
 
 
+def _step_post_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """After every ``optimizer.step()``: stamp the state tensors of GTP shards made by this step, and
+    forget the gradient records of its parameters (they served this step; a later ``.grad`` that no
+    backward wrote, e.g. the zeros of DCP's ``get_state_dict`` initializing a fresh optimizer, is not
+    an edit of a reduced gradient)."""
+    if not _RUNTIMES:
+        return
+    for gw, t in _shard_states(optimizer):
+        if _STAMP not in t.__dict__:
+            setattr(t, _STAMP, gw.runtime._optim_stamp)
+    ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for rt in list(_RUNTIMES):
+        if rt._grad_records:
+            rt._grad_records = [r for r in rt._grad_records if id(r[0]) not in ids]
+
+
 register_optimizer_step_pre_hook(_step_pre_hook)
+register_optimizer_step_post_hook(_step_post_hook)
 
 
 class _GTPLinearFunction(torch.autograd.Function):
@@ -1220,21 +1407,30 @@ def reduce_grads(comm: Comm, params: Iterable[torch.Tensor], op: str = "avg", *,
 
 
 def _reduce_grads(comm: Comm, params: Iterable[torch.Tensor], op: str, *, tag: str,
-                  wire_dtype: torch.dtype | None, extra_flags: list[bool] | None = None) -> list[bool] | None:
-    """:func:`reduce_grads`; ``extra_flags`` (one bool per item, this rank's) travel in the first
-    dtype's all-reduce too. Returns, per extra flag, whether it was set on *every* rank and the
-    ranks disagree (``True``: mixed), or ``None`` if no all-reduce ran (no trainable param)."""
+                  wire_dtype: torch.dtype | None, extra_flags: list[bool] | None = None,
+                  extra_tensor: torch.Tensor | None = None) -> tuple[list[bool], list[bool]] | None:
+    """:func:`reduce_grads`; ``extra_flags`` (one bool per item, this rank's) and ``extra_tensor`` (a 1-D
+    tensor of 0/1 flags, this rank's, left on its device: no host sync before the collective) travel
+    in the first dtype's all-reduce too. With no trainable parameter, an ``extra_tensor`` still travels
+    (with ``extra_flags``) in an all-reduce of the flags alone (float32); without one nothing is sent.
+    Returns ``(mixed, anywhere)``: per extra flag whether it was set on some ranks but not all, and per
+    element of ``extra_tensor`` whether it was set on any rank; or ``None`` if no all-reduce ran."""
     params = [p for p in params if p.requires_grad]
-    if not params:
+    if not params and extra_tensor is None:
         return None
-    dtypes = sorted({p.dtype for p in params}, key=str)
-    mixed: list[bool] | None = None
+    dtypes = sorted({p.dtype for p in params}, key=str) or [torch.float32]
+    n_tensor = 0 if extra_tensor is None else extra_tensor.numel()
+    mixed: list[bool] = []
+    anywhere: list[bool] = []
     for di, dtype in enumerate(dtypes):
         group = [p for p in params if p.dtype == dtype]
-        extra = extra_flags if (di == 0 and extra_flags) else []
-        flags = [p.grad is not None for p in group] + list(extra)
+        first = di == 0
+        extra = list(extra_flags or []) if first else []
+        flags = [p.grad is not None for p in group] + extra
+        n_t = n_tensor if first else 0
         numel = sum(p.numel() for p in group)
-        flat = torch.empty(numel + len(flags), dtype=dtype, device=group[0].device)
+        device = group[0].device if group else extra_tensor.device  # type: ignore[union-attr]
+        flat = torch.empty(numel + len(flags) + n_t, dtype=dtype, device=device)
         off = 0
         for p in group:
             n = p.numel()
@@ -1243,7 +1439,10 @@ def _reduce_grads(comm: Comm, params: Iterable[torch.Tensor], op: str, *, tag: s
             else:
                 flat[off:off + n].copy_(p.grad.reshape(-1))
             off += n
-        flat[numel:].copy_(torch.tensor(flags, dtype=dtype))
+        if flags:
+            flat[numel:numel + len(flags)].copy_(torch.tensor(flags, dtype=dtype))
+        if n_t:
+            flat[numel + len(flags):].copy_(extra_tensor)  # type: ignore[arg-type]
         comm.all_reduce(flat, op, wire_dtype=wire_dtype, tag=tag)
         # A flag reduces to exactly 0 when no rank set it (zeros stay zeros under any wire dtype);
         # set on every rank it reduces to N (sum) or 1 (avg), both exact in the wire dtype used here
@@ -1253,8 +1452,9 @@ def _reduce_grads(comm: Comm, params: Iterable[torch.Tensor], op: str, *, tag: s
         full = float(torch.tensor(full, dtype=torch.float64).to(wire).to(torch.float64))
         got = flat[numel:].tolist()
         used = [g != 0.0 for g in got[: len(group)]]
-        if extra:
-            mixed = [g != 0.0 and g != full for g in got[len(group):]]
+        if first:
+            mixed = [g != 0.0 and g != full for g in got[len(group):len(flags)]]
+            anywhere = [g != 0.0 for g in got[len(flags):]]
         off = 0
         for p, u in zip(group, used, strict=True):
             n = p.numel()
@@ -1266,7 +1466,7 @@ def _reduce_grads(comm: Comm, params: Iterable[torch.Tensor], op: str, *, tag: s
                     p.grad.copy_(g)
             off += n
     note_grads(params)
-    return mixed
+    return mixed, anywhere
 
 
 def sync_replicated_grads(runtime: GTPRuntime, model: nn.Module) -> None:

@@ -68,8 +68,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from lowband.comm import Comm
 from lowband.train.errors import warn
@@ -211,9 +209,18 @@ def check_metadata(path: Path, verify: bool) -> None:
                               f"tensors) cannot be read ({type(e).__name__}: {first[:200]}){hint}") from e
 
 
+def _dcp() -> tuple[Any, type[BaseException]]:
+    """``torch.distributed.checkpoint`` and its ``CheckpointException`` (a ``BaseException``), imported on
+    first use: about a second per process that a run without checkpoints does not pay."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return dcp, CheckpointException
+
+
 def _root_cause(e: BaseException) -> str:
     """``Type: message`` of the first failure inside a DCP ``CheckpointException`` (or of ``e`` itself)."""
-    if isinstance(e, CheckpointException) and e.failures:
+    if isinstance(e, _dcp()[1]) and e.failures:
         inner = next(iter(e.failures.values()))
         e = inner[0] if isinstance(inner, tuple) else inner
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -398,6 +405,7 @@ class CheckpointManager:
                 error = self._save_error(step, e)
         self._agree(error)
         meta = dict(meta, step=step, format=FORMAT_VERSION)
+        dcp, CheckpointException = _dcp()
         if self.async_save:
             fut = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group,
                                  no_dist=not _distributed())
@@ -437,6 +445,7 @@ class CheckpointManager:
             return
         fut, step, tmp, meta = self._pending
         self._pending = None
+        CheckpointException = _dcp()[1]
         try:
             fut.result()
         except (Exception, CheckpointException) as e:
@@ -589,6 +598,7 @@ class CheckpointManager:
         Raises:
             CheckpointError: DCP could not read it (on every rank: DCP propagates a failure of any rank).
         """
+        dcp, CheckpointException = _dcp()
         try:
             with _quiet_single_process():
                 dcp.load(state, checkpoint_id=str(info.path), no_dist=not _distributed())

@@ -699,3 +699,60 @@ def test_gtp_checkpoint_reshards_2_to_4_and_into_ddp(token_shard, tmp_path):
             assert abs(cont[0]["losses"][s] - other["losses"][s]) <= 1e-10 * abs(other["losses"][s])
         for k, v in other["model"].items():
             torch.testing.assert_close(cont[0]["model"][k], v, rtol=0, atol=1e-10)
+
+
+# --------------------------------------------------------------------------------- non-finite flags (GradScaler)
+def _nonfinite_ledger(share: bool, bias: bool) -> dict:
+    """Two steps of a 3-linear model (2 ranks); at step 1 rank 1's wgrad of the last layer gets an inf
+    in row 0 (held by rank 0): per step the ledger and which shard gradients are non-finite after it."""
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(1)
+    layers = [nn.Linear(6, 10, bias=bias), nn.Tanh(), nn.Linear(10, 7, bias=bias), nn.Tanh(),
+              nn.Linear(7, 3, bias=bias)]
+    model = nn.Sequential(*layers)
+    rt = GTPRuntime(build_mesh(gtp=dist.get_world_size()).gtp, GTPOptions(share_nonfinite=share))
+    shard_linears(model, rt)
+    x, y = _data(4, 6, 3)
+    ledger = default_ledger()
+    out = {}
+    for step in range(2):
+        start = len(ledger.records)
+        h = model[:4](x)
+        z = model[4](h.detach())  # the inf below stays in the last layer (its wgrad and bias grad)
+        if step == 1 and dist.get_rank() == 1:
+            z.register_hook(lambda g: g.index_fill(1, torch.tensor([0]), float("inf")))  # wgrad row 0
+        (F.mse_loss(z, y) + h.square().mean()).backward()
+        out[step] = {"records": [(r.op, r.tag, r.numel, r.wire_bytes) for r in ledger.records[start:]],
+                     "nonfinite": [gw.name for gw in rt.weights
+                                   if not bool(torch.isfinite(gw.param.grad).all())]}
+        model.zero_grad(set_to_none=True)
+    out["L"] = len(rt.weights)
+    out["replicated"] = sum(p.numel() for p in replicated_params(model))
+    return out
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_nonfinite_flags_cost_one_element_per_weight(bias: bool) -> None:
+    """share_nonfinite adds L elements (one per GTP weight) to the replicated-gradient all-reduce and no
+    collective, and shows rank 0's inf (from rank 1's data, in a row rank 0 owns) on rank 1's shard of
+    the same weight only. Without replicated parameters (bias=False) the flags travel in one
+    all-reduce of their own (2L float32: the used flags, then these), which share_nonfinite=False skips."""
+    on = run_ranks(_nonfinite_ledger, 2, True, bias)
+    off = run_ranks(_nonfinite_ledger, 2, False, bias)
+    L, rep = on[0]["L"], on[0]["replicated"]
+    n_rep = 3 if bias else 0  # trainable replicated parameters (the biases): one used flag each
+    for step in (0, 1):
+        a, b = on[0][step]["records"], off[0][step]["records"]
+        assert [r for r in a if r[1] != "gtp:replicated"] == [r for r in b if r[1] != "gtp:replicated"]
+        rep_on = [r for r in a if r[1] == "gtp:replicated"]
+        rep_off = [r for r in b if r[1] == "gtp:replicated"]
+        numel = rep + n_rep + 2 * L
+        esize = 8 if bias else 4
+        assert rep_on == [("all_reduce", "gtp:replicated", numel, ring_wire_bytes("all_reduce", 2, numel * esize))]
+        assert rep_off == ([("all_reduce", "gtp:replicated", numel - L,
+                             ring_wire_bytes("all_reduce", 2, (numel - L) * esize))] if bias else [])
+        assert not [r for r in a if r[1] == "gtp:optim_state"]
+    last = "4"  # shard_linears names the weights by module path
+    assert [r[1]["nonfinite"] for r in on] == [[last], [last]]
+    assert [r[1]["nonfinite"] for r in off] == [[last], []]  # only the owner of row 0 sees it
+    assert all(r[0]["nonfinite"] == [] for r in on + off)

@@ -4,7 +4,10 @@
 
 Each cell is exact (1e-10, the project's float64 bound; see tests/external/test_gtp.py for why the
 orderings of the float64 sums stay far below it) with every rank bitwise equal, or refused on every rank
-with one line naming the habit and the lowband way.
+with one line naming the habit and the lowband way. Among them: ``torch.amp.GradScaler`` with an
+overflow confined to one rank's shard rows (exact: skipped on every rank, DDP's scale), nanoGPT's
+resume of rank 0's torch-optimizer state on every rank (refused), each rank's own state or
+GTPStateLayout + DCP (exact).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from lowband.comm import default_ledger
 from lowband.parallel import (
@@ -27,6 +31,7 @@ from lowband.parallel import (
     sync_replicated_grads,
     unsharded_copy,
 )
+from lowband.parallel.gtp_state import GTPStateLayout
 from lowband.parallel.mesh import build_mesh
 from lowband.testing import run_ranks
 from tests.external.outside_gpt import OutsideConfig, random_batch, seeded_model
@@ -105,14 +110,14 @@ class _null:
         return False
 
 
-def _reference(habit: str, world: int, tie: bool) -> dict:
+def _reference(habit: str, world: int, tie: bool, steps: int = STEPS) -> dict:
     """DDP + torch, single process: per micro-batch, every rank's loss / (accum * world) backward."""
     cfg = OutsideConfig(tie=tie)
     model = seeded_model(SEED, 0, cfg, torch.float64)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     ema = copy.deepcopy(model)
     accum = ACCUM if habit.startswith("accum") else 1
-    for step in range(1, STEPS + 1):
+    for step in range(1, steps + 1):
         for m in range(accum):
             for r in range(world):
                 x, y = random_batch(_micro(step, m), r, BATCH, cfg)
@@ -269,3 +274,214 @@ def test_autocast_bf16_matches_ddp_under_the_same_autocast(world: int) -> None:
             atol = 0.0 if world == 2 else 1e-6
             torch.testing.assert_close(res[r]["params"][k], v, rtol=0, atol=atol, msg=k)
             assert torch.equal(res[r]["params"][k], res[0]["params"][k]), k
+
+
+# ------------------------------------------------------------------ torch.amp.GradScaler
+MAX_NORM = 0.05
+_OVERFLOW = [False]
+
+
+def _overflow_hook(_mod, _inp, out: torch.Tensor) -> None:
+    """Forward hook on the token embedding: when armed, the gradient reaching its output gets an inf at
+    the first position, so the overflow lands in one row of ``wte``'s weight gradient only (the row of
+    that token, held by one GTP rank), as a local fp16 overflow would; nothing else sees it."""
+    if _OVERFLOW[0]:
+        def put_inf(g: torch.Tensor) -> torch.Tensor:
+            g = g.clone()
+            g[0, 0, 0] = float("inf")
+            return g
+
+        out.register_hook(put_inf)
+
+
+def _scaler_gtp(unscale: bool, steps: int, inf_at: int, share: bool) -> dict:
+    """The DDP script's GradScaler lines kept: scale(loss).backward(); [unscale_(opt); clip]; step; update."""
+    from lowband.parallel import clip_grad_norm_
+
+    cfg = OutsideConfig(tie=False)  # wte sharded: its rows live on different ranks
+    model = _model(cfg)
+    rt = _shard(model, share_nonfinite=share)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    scaler = torch.amp.GradScaler("cpu")
+    model.transformer.wte.register_forward_hook(_overflow_hook)
+    rank = dist.get_rank()
+    wte = model.transformer.wte.weight
+    local_inf = None
+    for step in range(steps):
+        _OVERFLOW[0] = step == inf_at and rank == 1
+        x, y = random_batch(_micro(step, 0), rank, BATCH, cfg)
+        if step == inf_at:  # the overflowing row and its owner (for the test's own bookkeeping)
+            tok = int(random_batch(_micro(step, 0), 1, BATCH, cfg)[0][0, 0])
+            owner = tok // wte.gtp.shard_rows
+        scaler.scale(model(x, y)[1]).backward()
+        if step == inf_at:
+            local_inf = [n for n, p in model.named_parameters()
+                         if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+        if unscale:
+            scaler.unscale_(opt)
+            clip_grad_norm_(model, MAX_NORM)  # lowband's global clip (torch's is refused under GTP)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    _OVERFLOW[0] = False
+    assert rt.pending()["reduce_scatters"] == 0
+    return {"params": _logical(model), "scale": float(scaler.get_scale()), "local_inf": local_inf,
+            "owner": owner}
+
+
+def _scaler_reference(unscale: bool, steps: int, inf_at: int, world: int) -> dict:
+    """DDP + torch AdamW + the same scaler calls, single process: each rank's scaled loss / world."""
+    cfg = OutsideConfig(tie=False)
+    model = seeded_model(SEED, 0, cfg, torch.float64)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    scaler = torch.amp.GradScaler("cpu")
+    model.transformer.wte.register_forward_hook(_overflow_hook)
+    for step in range(steps):
+        for r in range(world):
+            _OVERFLOW[0] = step == inf_at and r == 1
+            x, y = random_batch(_micro(step, 0), r, BATCH, cfg)
+            scaler.scale(model(x, y)[1] / world).backward()
+        _OVERFLOW[0] = False
+        if unscale:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "scale": float(scaler.get_scale())}
+
+
+@pytest.mark.parametrize("unscale", [True, False])
+def test_grad_scaler_skips_an_overflow_on_every_rank_as_ddp(unscale: bool) -> None:
+    """An inf confined to one row of wte's gradient (one GTP rank's rows) at step 1: under DDP the
+    all-reduce carries it to every rank, every rank skips and halves the scale. GTP flags it in the
+    replicated all-reduce and writes NaN into the other ranks' wte shard gradient, so unscale_ finds
+    it everywhere: parameters equal DDP's to 1e-10, ranks bitwise equal, every scale DDP's (2**15).
+    GradScaler's factors are powers of two: scaling and unscaling add no error."""
+    world, steps, inf_at = 2, 4, 1
+    res = run_ranks(_scaler_gtp, world, unscale, steps, inf_at, True)
+    ref = _scaler_reference(unscale, steps, inf_at, world)
+    assert ref["scale"] == 2.0**15  # the reference skipped the overflow step and backed off once
+    assert [r["scale"] for r in res] == [ref["scale"]] * world
+    owner = res[0]["owner"]
+    for r in range(world):  # after the backward, every rank's wte shard gradient shows it, nothing else
+        assert res[r]["local_inf"] == ["transformer.wte.weight"], (r, owner, res[r]["local_inf"])
+    _assert_close_and_equal(res, ref, world, "params")
+
+
+def test_grad_scaler_overflow_without_sharing_diverges() -> None:
+    """The same run with GTPOptions(share_nonfinite=False): only the owner of the overflowing row sees
+    it, one rank skips while the other steps, and the scales part (what the default prevents)."""
+    res = run_ranks(_scaler_gtp, 2, True, 2, 1, False)
+    owner = res[0]["owner"]
+    assert res[owner]["local_inf"] == ["transformer.wte.weight"] and res[1 - owner]["local_inf"] == []
+    assert res[owner]["scale"] == 2.0**15 and res[1 - owner]["scale"] == 2.0**16
+
+
+# ------------------------------------------------------------------ nanoGPT resume with torch AdamW over GTP shards
+def _resume(path: str, habit: str) -> dict:
+    """Train 2 steps, checkpoint the optimizer, build a fresh AdamW (the resumed script), load, train 2 more.
+
+    ``habit="nanogpt"``: every rank ``opt.state_dict()``, rank 0 ``torch.save``s it, every rank loads it.
+    ``habit="per_rank"``: each rank saves and loads its own file (the lowband way for a torch optimizer);
+    ``habit="dcp"``: ``GTPStateLayout`` + ``torch.distributed.checkpoint`` (the reshardable way)."""
+    cfg = OutsideConfig(tie=True)
+    model = _model(cfg)
+    _shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    rank = dist.get_rank()
+    ledger = default_ledger()
+    checks: list[int] = []  # "gtp:optim_state" collectives per optimizer.step()
+
+    def train(step: int) -> None:
+        x, y = random_batch(_micro(step, 0), rank, BATCH, cfg)
+        model(x, y)[1].backward()
+        start = len(ledger.records)
+        try:
+            opt.step()
+        finally:
+            checks.append(sum(r.tag == "gtp:optim_state" for r in ledger.records[start:]))
+        opt.zero_grad(set_to_none=True)
+
+    for step in (1, 2):
+        train(step)
+    mine = f"{path}.rank{rank}"
+    if habit == "dcp":
+        dcp.save(GTPStateLayout(model, opt).state_dict(), checkpoint_id=path)
+    else:
+        sd = opt.state_dict()  # every rank
+        if habit == "nanogpt":
+            if rank == 0:
+                torch.save({"optimizer": sd}, path)
+        else:
+            torch.save({"optimizer": sd}, mine)
+    dist.barrier()  # test bookkeeping: the files exist
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    if habit == "dcp":
+        layout = GTPStateLayout(model, opt)
+        sd = layout.state_dict()
+        dcp.load(sd, checkpoint_id=path)
+        layout.load_state_dict(sd)
+    else:
+        opt.load_state_dict(torch.load(path if habit == "nanogpt" else mine)["optimizer"])
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        for step in (3, 4):
+            train(step)
+    except GTPStateError as e:
+        unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+        return {"error": str(e), "unchanged": unchanged, "checks": checks}
+    return {"error": None, "params": _logical(model), "checks": checks}
+
+
+def test_nanogpt_resume_of_rank0s_torch_optimizer_state_is_refused_on_every_rank(tmp_path) -> None:
+    res = run_ranks(_resume, 2, str(tmp_path / "ckpt.pt"), "nanogpt")
+    msgs = {r["error"] for r in res}
+    assert len(msgs) == 1 and None not in msgs  # the same line on every rank, rank 0 (own state) included
+    msg = msgs.pop()
+    assert "\n" not in msg and "made on GTP rank 0 of 2" in msg and "nanoGPT" in msg
+    assert "each rank's own opt.state_dict()" in msg and "GTPStateLayout" in msg
+    assert all(r["unchanged"] for r in res)  # refused before anything stepped
+    assert all(r["checks"] == [0, 0, 1] for r in res)  # the fresh run's steps send nothing
+
+
+@pytest.mark.parametrize("habit", ["per_rank", "dcp"])
+def test_per_rank_or_dcp_torch_optimizer_resume_is_exact(tmp_path, habit: str) -> None:
+    """Each rank saves and loads its own opt.state_dict(), or GTPStateLayout + DCP: 4 steps equal DDP's
+    uninterrupted 4 steps (1e-10, ranks bitwise equal). Cost: one 3-element all-reduce on the GTP state
+    group at the first step after loading a pickled state, none at any other step (none for DCP: the
+    loaded tensors carry no stamp)."""
+    world = 2
+    res = run_ranks(_resume, world, str(tmp_path / "ckpt.pt"), habit)
+    assert all(r["error"] is None for r in res)
+    assert all(r["checks"] == ([0, 0, 1, 0] if habit == "per_rank" else [0, 0, 0, 0]) for r in res)
+    _assert_close_and_equal(res, _reference("plain", world, True, steps=4), world, "params")
+
+
+def _load_on_rank0_alone(path: str) -> str:
+    cfg = OutsideConfig(tie=True)
+    model = _model(cfg)
+    _shard(model, state_timeout=2.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    rank = dist.get_rank()
+    model(*random_batch(1, rank, BATCH, cfg))[1].backward()
+    opt.step()
+    if rank == 0:  # only rank 0 resumes from its own file: its check waits for peers that never come
+        torch.save(opt.state_dict(), path)
+        opt.load_state_dict(torch.load(path))
+    out = "stepped"
+    try:
+        opt.step()
+    except GTPCollectiveError as e:
+        out = str(e)
+    dist.barrier()
+    return out
+
+
+def test_load_on_some_ranks_fails_within_the_state_timeout(tmp_path) -> None:
+    """The check after a load is a collective of the GTP group (on its state group): a rank that loaded
+    alone gets one line within GTPOptions.state_timeout (2 s here), not the process group's timeout."""
+    res = run_ranks(_load_on_rank0_alone, 2, str(tmp_path / "opt0.pt"), timeout=60)
+    assert res[1] == "stepped"
+    assert "\n" not in res[0] and "within 2 s" in res[0] and "every rank" in res[0], res[0]
