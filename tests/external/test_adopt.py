@@ -161,3 +161,25 @@ def test_gtp_example_equals_the_ddp_example(world: int) -> None:
     ref = run_ranks(_run_example, world, "ddp")
     out = run_ranks(_run_example, world, "gtp")
     assert_same_training(out, ref)
+
+
+def changed_code_lines(base: str, other: str) -> int:
+    """Code lines of ``other`` that differ from ``base`` (a replaced line once; the module docstring,
+    comments and blank lines aside): the count docs/adopt.md's table reports."""
+    def code(name: str) -> list[str]:
+        text = (EXAMPLES / name).read_text()
+        m = re.match(r'\s*""".*?"""\n', text, re.S)
+        body = text[m.end():] if m else text
+        return [ln.split("  #")[0].rstrip() for ln in body.splitlines()
+                if ln.strip() and not ln.strip().startswith("#")]
+
+    a, b = code(base), code(other)
+    ops = difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
+    return sum(max(i2 - i1, j2 - j1) for tag, i1, i2, j1, j2 in ops if tag != "equal")
+
+
+def test_doc_table_of_changed_lines_is_counted_from_the_files() -> None:
+    rows = re.findall(r"^\| `(\w+\.py)` \| (\d+) \|", DOC.read_text(), re.M)
+    assert {name for name, _ in rows} == {p.name for p in EXAMPLES.glob("*.py")} - {"ddp.py", "__init__.py"}
+    for name, count in rows:
+        assert changed_code_lines("ddp.py", name) == int(count), name
