@@ -43,8 +43,9 @@ exactly what the uninterrupted one applies.
 the same way) under ``model`` / ``optim`` and nests the DiLoCo state under ``diloco``: the DCP layout
 the trainer's ``diloco`` strategy checkpoints. The inner part is the inner torch optimizer's state per
 parameter (DDP inside), or the inner strategy's own checkpoint layout (sharded optimizer, GTP)
-gathered to logical tensors inside the replica (one all-gather per dtype over the replica's dp group
-for sharded state; GTP's layout gathers its shards over the gtp group). Communication: besides those
+gathered to logical tensors inside the replica (for sharded state, the inner's ``logical_state_dict``:
+one all-gather per state tensor per unit over the replica's dp group; GTP's layout gathers its shards
+over the gtp group). Communication: besides those
 gathers none of its own, except that the first per-replica ``DTensor`` creates the device mesh
 (collective, every rank alike) and saving completes an in-flight all-reduce.
 """
@@ -276,14 +277,16 @@ class DilocoCheckpoint:
       "optim": {key: ...}}`` shape (a sharded inner strategy's
       :class:`~lowband.optim.sharded_state.ShardedStateLayout`, GTP's
       :class:`~lowband.parallel.gtp_state.GTPStateLayout`, i.e. the inner strategy itself): its values are
-      made *logical*, the same full tensor on every rank of the replica (``Shard(0)`` DTensors over
-      ``inner_comm`` are all-gathered through it, ``tag="state"``; GTP's layout already gathers its
-      shards), and every tensor becomes a row; other values (hyperparameters) stay plain. Loading hands
-      the rows back as full tensors to ``inner.load_state_dict``, which keeps this rank's part. So the
-      inner layout inside a replica may change between save and resume (dp or gtp size), the replica
-      count may not. Transiently every rank holds its replica's full inner state (as the inner layouts
-      themselves do). The DiLoCo hooks are paused meanwhile (``StreamingDiLoCo.paused``), so a zero-lr
-      initialization step of torch's ``get_state_dict`` is not counted as an inner step.
+      made *logical*, the same full tensor on every rank of the replica (an inner with a
+      ``logical_state_dict()``, the sharded strategies, is asked for that gathered form instead of its
+      rank-local ``state_dict()``, ``tag="state"``; ``Shard(0)`` DTensors over ``inner_comm`` are
+      all-gathered through it; GTP's layout already gathers its shards), and every tensor becomes a row;
+      other values (hyperparameters) stay plain. Loading hands the rows back as full tensors to
+      ``inner.load_state_dict``, which keeps this rank's part. So the inner layout inside a replica may change
+      between save and resume (dp or gtp size), the replica count may not. Transiently every rank holds its
+      replica's full inner state (as the inner layouts themselves do). The DiLoCo hooks are paused meanwhile
+      (``StreamingDiLoCo.paused``), so a zero-lr initialization step of torch's ``get_state_dict`` is not
+      counted as an inner step.
 
     Args:
         model: the plain replica model (not a DDP wrapper).
@@ -333,8 +336,8 @@ class DilocoCheckpoint:
     def state_dict(self) -> dict[str, Any]:
         diloco = self.diloco.state_dict()  # first: completes an in-flight all-reduce
         if self.inner is not None:
-            with self.diloco.paused():
-                sd = self.inner.state_dict()
+            with self.diloco.paused():  # the gathered form where the inner layout saves rank-local chunks
+                sd = getattr(self.inner, "logical_state_dict", self.inner.state_dict)()
             model = {n: self._row(v) for n, v in self._logical(sd["model"]).items()}
             optim = {k: self._row(v) if isinstance(v, torch.Tensor) else v
                      for k, v in self._logical(sd.get("optim", {})).items()}

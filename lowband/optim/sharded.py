@@ -44,7 +44,8 @@ count per member (torch's per-parameter ``step``; every rank keeps all of them);
 ``momentum_buffer`` ``[real_owned, rows, cols]`` per unit; ``master`` (fp32 copy of the owned slice)
 where parameters travel or are stored narrower than fp32. ``self.state`` is keyed by unit index;
 :meth:`ShardedOptimizer.state_dict` presents it per parameter as ``Shard(0)`` DTensors for torch DCP
-(:mod:`lowband.optim.sharded_state`), :meth:`ShardedOptimizer.shard_state_dict` as the raw shard.
+(gathered), :class:`lowband.optim.sharded_state.ShardedStateLayout` per parameter as rank-local chunks
+(no gather), :meth:`ShardedOptimizer.shard_state_dict` as the raw shard.
 Parameters become views into the flat parameter buffers (``p.data`` is re-pointed at construction),
 so the all-gather writes the parameters in place; gradients stay in ``p.grad`` (local, not averaged;
 the averaged, possibly clipped, gradient lives in the owned shard).
@@ -225,7 +226,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ``Shard(0)`` DTensors, any world size: ``get_state_dict`` / ``set_state_dict`` / ``dcp.save`` /
     ``dcp.load`` work); :meth:`full_state_dict` is the whole state in ``torch.optim`` format on every
     rank; :meth:`shard_state_dict` is this rank's raw shard (same layout only). A model plus optimizer
-    as one flat dict: :class:`lowband.optim.sharded_state.ShardedStateLayout`.
+    as one flat dict that saves and loads each rank's own elements with no gather:
+    :class:`lowband.optim.sharded_state.ShardedStateLayout`.
 
     Args:
         params: tensors or param-group dicts.
@@ -1143,9 +1145,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
         would create if it has not stepped). Communication: :meth:`full_state_dict`'s all-gathers.
         For this rank's raw shard (no communication, same layout only) use :meth:`shard_state_dict`.
         """
+        full = self.logical_state_dict()
+        shard0 = self._shard0()
+        state = {i: {k: (v if k == "step" else shard0.shard(v)) for k, v in st.items()}
+                 for i, st in full["state"].items()}
+        return {"state": state, "param_groups": full["param_groups"]}
+
+    @torch.no_grad()
+    def logical_state_dict(self) -> dict:
+        """:meth:`full_state_dict` with an entry for every trainable parameter (collective).
+
+        A parameter that has not stepped gets what its first step would create (zero moments /
+        momentum, ``step`` 0, its master the parameter itself), so every parameter has every key;
+        ``step`` is a float32 scalar. Identical on every rank; the gathered form of :meth:`state_dict`
+        (which keeps each rank's ``Shard(0)`` chunk of it). Communication: :meth:`full_state_dict`'s.
+        """
         with self._state_call("state_dict"):
             full = self._full_state_dict()
-        shard0 = self._shard0()
         params = [p for g in self.param_groups for p in g["params"]]
         state: dict[int, dict[str, Any]] = {}
         for unit in self._units:
@@ -1158,9 +1174,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     st = ({"step": torch.tensor(0.0), "exp_avg": zeros, "exp_avg_sq": zeros.clone()}
                           if unit.layout.kind == "adamw" else {"momentum_buffer": zeros})
                     if self._needs_master(unit):
-                        st["master"] = p.detach().to(acc)
+                        st["master"] = p.detach().to(acc, copy=True)
                 state[m.index] = {k: (v.detach().to(torch.float32).clone() if k == "step" else
-                                      shard0.shard(v.reshape(p.shape))) for k, v in st.items()}
+                                      v.detach().reshape(p.shape)) for k, v in st.items()}
         return {"state": dict(sorted(state.items())), "param_groups": full["param_groups"]}
 
     @contextlib.contextmanager

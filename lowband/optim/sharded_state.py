@@ -1,19 +1,24 @@
 """Checkpoint layout of :class:`lowband.optim.ShardedOptimizer` state for ``torch.distributed.checkpoint``.
 
 The optimizer owns contiguous ranges of flat buckets whose boundaries depend on the world size and
-``bucket_mb``; those ranges are not a DTensor placement. Its checkpoint state is therefore stored
-**per parameter** with the standard ``Shard(0)`` placement (``torch.chunk`` rows of the parameter's
-full shape over the data-parallel group; rank ``r`` writes chunk ``r``), which DCP reshards to any
-world size:
+``bucket_mb``; those ranges are not a DTensor placement. Its checkpoint state is stored **per parameter,
+in the parameter's logical shape**, so DCP reshards it to any world size:
 
+* :class:`ShardedStateLayout` (what lowband's trainer saves) puts the state under flat string keys next
+  to the model's parameters, ``{"model": {fqn: tensor}, "optim": {"state.<fqn>.<key>": ...,
+  "param_groups.<g>.<hyper>": ...}}``. Each state tensor is a :class:`lowband.dcp_chunks.LocalChunks`:
+  this rank's owned elements only, as rectangular boxes of the logical shape that are views into the
+  optimizer's own state buffers (an AdamW unit's owned flat range cut at the parameter's bounds, at most
+  ``2 * (ndim - 1) + 1`` boxes; a Muon unit's whole matrices in this rank's slots), saved in chunks of at
+  most 16 MiB on a grid fixed in the parameter's coordinates. ``dcp.save`` writes what each rank owns;
+  ``dcp.load`` into a fresh template reads only the saved chunks that overlap what the rank owns and
+  writes them in place. Files of the earlier gathered layout (``Shard(0)`` DTensors per parameter, the
+  same keys and logical shapes) load into it, and vice versa.
 * :meth:`ShardedOptimizer.state_dict` returns ``{"state": {param_index: {...}}, "param_groups": [...]}``
   in ``torch.optim`` format, every state tensor a ``Shard(0)`` DTensor (a plain tensor on one rank),
   ``step`` a replicated float32 scalar. So torch's own
   ``torch.distributed.checkpoint.state_dict.get_state_dict(model, opt)`` / ``set_state_dict`` and
-  ``dcp.save`` / ``dcp.load`` work on it, including a reshard to another world size.
-* :class:`ShardedStateLayout` is the same state under flat string keys next to the model's
-  parameters, ``{"model": {fqn: tensor}, "optim": {"state.<fqn>.<key>": ..., "param_groups.<g>.<hyper>":
-  ...}}``, for a trainer that saves one dict with ``dcp.save`` (lowband's trainer does).
+  ``dcp.save`` / ``dcp.load`` work on it, including a reshard to another world size; it gathers (below).
 
 Per-parameter keys: AdamW ``step``, ``exp_avg``, ``exp_avg_sq``; Muon ``momentum_buffer``; plus
 ``master`` (the owner's fp32 master copy) where the optimizer keeps one (``param_wire_dtype`` narrower
@@ -21,11 +26,14 @@ than the parameters, or parameters narrower than fp32). A parameter whose unit h
 gets what its first step would create (zeros, step 0, the parameter itself as master), so a template
 always has every key.
 
-Communication: saving runs :meth:`ShardedOptimizer.full_state_dict` (one all-gather per state tensor
-per unit, ``tag="state"``) and keeps this rank's chunk; loading gathers each ``Shard(0)`` DTensor back
-to the full tensor with one all-gather per dtype (``tag="state"``) and takes the owned ranges. Both go
-through :mod:`lowband.comm` (counted in the ledger) and briefly hold the full optimizer state on every
-rank (the price of a world-size-independent checkpoint).
+Communication: :class:`ShardedStateLayout`'s ``state_dict`` / ``load_state_dict`` issue none (DCP's own
+planning collectives only: metadata, no tensor data); each rank holds at most one saved chunk (16 MiB)
+beyond its own state while saving, and about twice that while loading. Its
+:meth:`~ShardedStateLayout.logical_state_dict` (whole tensors, for DiLoCo's checkpoint of a sharded inner
+and for inspection) and :meth:`ShardedOptimizer.state_dict` (``Shard(0)`` chunks) gather the state with
+:meth:`ShardedOptimizer.full_state_dict` (one all-gather per state tensor per unit, ``tag="state"``), and
+:meth:`ShardedOptimizer.load_state_dict` gathers each ``Shard(0)`` DTensor back with one all-gather per
+dtype (``tag="state"``); those briefly hold the full optimizer state on every rank.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lowband.comm import Comm
+from lowband.dcp_chunks import LocalChunks, local_chunks
 
 if TYPE_CHECKING:
     from lowband.optim.sharded import ShardedOptimizer
@@ -140,15 +149,27 @@ class Shard0:
 class ShardedStateLayout:
     """A model and its :class:`ShardedOptimizer` as one flat, world-size-independent checkpoint dict.
 
-    ``state_dict()`` (collective) returns::
+    ``state_dict()`` (no communication) returns::
 
-        {"model": {fqn: tensor},                         every rank holds each parameter whole
-         "optim": {"state.<fqn>.<key>": DTensor Shard(0) | float32 scalar ("step"),
+        {"model": {fqn: parameter},                      every rank holds each parameter whole
+         "optim": {"state.<fqn>.<key>": LocalChunks | float32 scalar ("step"),
                    "param_groups.<g>.<hyper>": value}}   (lr, betas, algorithm, ...; replicated)
 
-    ``load_state_dict(state)`` (collective) applies such a dict, saved at any world size and filled in
-    by ``dcp.load``. Parameters are named by ``model.named_parameters()`` (a tied parameter by its
-    first name). See the module docstring for the per-parameter keys and the communication.
+    Each ``LocalChunks`` (:mod:`lowband.dcp_chunks`) has the parameter's logical shape and holds, as
+    views into the optimizer's own state buffers, the part this rank owns: for an AdamW unit, the owned
+    flat range of the bucket intersected with the parameter (at most ``2 * (ndim - 1) + 1`` boxes); for a
+    Muon unit, the whole matrices in this rank's slots; nothing for a parameter the rank owns no element
+    of. The model entries are the parameters themselves (``detach()``ed, no copy). So ``dcp.save`` writes
+    what each rank owns and ``dcp.load`` into a fresh ``state_dict()`` writes the owned elements straight
+    into the optimizer state and the parameters, at any world size. A unit that has not stepped yet is
+    given the state its first step would create (zero moments / momentum, step 0, its fp32 master the
+    parameter), so a template always has every key.
+
+    ``load_state_dict(state)`` (no communication) applies such a dict after ``dcp.load`` filled it (values
+    already in place are left as they are), or one holding plain full tensors in the same keys (the
+    gathered form of :meth:`logical_state_dict`, e.g. from :class:`lowband.diloco.state.DilocoCheckpoint`):
+    it takes this rank's part of each. Parameters are named by ``model.named_parameters()`` (a tied
+    parameter by its first name). See the module docstring for the per-parameter keys.
     """
 
     def __init__(self, model: nn.Module, optimizer: ShardedOptimizer) -> None:
@@ -160,33 +181,112 @@ class ShardedStateLayout:
             raise ValueError(f"ShardedStateLayout: optimizer parameters {missing} are not parameters of the model")
         self.names = [names[id(p)] for p in params]
 
+    # ------------------------------------------------------------------------------ local state
+    def _ensure_state(self) -> None:
+        """Create, for every unit without it, the state its first step would create (no communication)."""
+        opt = self.optimizer
+        rank = opt.comm.rank
+        for ui, unit in enumerate(opt._units):
+            lay, st = unit.layout, opt.state[ui]
+            if lay.kind == "adamw":
+                if not st:
+                    st.update(opt._new_adamw_state(unit))
+                lo, hi = lay.owner_range(rank)
+                opt._master(unit, unit.param_buf[lo:hi], st)
+            else:
+                assert lay.matrix_shape is not None and lay.real_per_rank is not None
+                rows, cols = lay.matrix_shape
+                c, real = lay.slots_per_rank, lay.real_per_rank[rank]
+                if not st:
+                    st["momentum_buffer"] = torch.zeros(real, rows, cols, dtype=unit.grad_shard.dtype,
+                                                        device=unit.grad_shard.device)
+                if real:
+                    opt._master(unit, unit.param_buf.view(-1, rows, cols)[rank * c:rank * c + real], st)
+
+    def _owned(self) -> list[tuple[int, int, dict[str, Any], list[tuple[str, torch.Tensor | None, int, int]]]]:
+        """Per unit member: ``(ui, mi, unit state, [(key, dst, a, b)])``: ``dst`` is the 1-D view of the
+        unit's state tensor ``key`` holding the member's logical flat elements ``[a, b)`` this rank owns
+        (``None`` when it owns none)."""
+        opt = self.optimizer
+        rank = opt.comm.rank
+        out = []
+        for ui, unit in enumerate(opt._units):
+            lay, st = unit.layout, opt.state[ui]
+            keys = ["exp_avg", "exp_avg_sq"] if lay.kind == "adamw" else ["momentum_buffer"]
+            if opt._needs_master(unit):  # on every rank alike (a rank owning no Muon matrix has no master)
+                keys.append("master")
+            if lay.kind == "adamw":
+                lo, hi = lay.owner_range(rank)
+                for mi, m in enumerate(lay.members):
+                    a, b = max(lo, m.offset), min(hi, m.offset + m.numel)
+                    out.append((ui, mi, st, [(k, st[k][a - lo:b - lo] if a < b else None, a - m.offset,
+                                              b - m.offset) for k in keys]))
+            else:
+                slot = {mi: j for j, mi in enumerate(opt._owned_members(lay, rank))}
+                for mi, m in enumerate(lay.members):
+                    j = slot.get(mi)
+                    out.append((ui, mi, st, [(k, st[k][j].view(-1) if j is not None else None, 0,
+                                              m.numel if j is not None else 0) for k in keys]))
+        return out
+
     @torch.no_grad()
     def state_dict(self) -> dict[str, Any]:
-        osd = self.optimizer.state_dict()  # collective; waits for in-flight parameter gathers
-        model = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        """The checkpoint dict (see the class docstring); creates missing state; no communication."""
+        opt = self.optimizer
+        opt.wait_for_params()
+        self._ensure_state()
+        params = [p for g in opt.param_groups for p in g["params"]]
+        model = {n: p.detach() for n, p in self.model.named_parameters()}
+        state: dict[int, dict[str, Any]] = {}
+        for ui, mi, st, parts in self._owned():
+            m = opt._units[ui].layout.members[mi]
+            p = params[m.index]
+            entry: dict[str, Any] = {}
+            if "steps" in st:
+                entry["step"] = torch.tensor(float(st["steps"][mi]), dtype=torch.float32)
+            acc = opt._units[ui].grad_shard
+            for key, dst, a, b in parts:
+                if dst is None:
+                    entry[key] = LocalChunks(p.shape, [], dtype=acc.dtype, device=acc.device)
+                else:
+                    entry[key] = local_chunks(p.shape, a, b, dst)
+            state[m.index] = entry
         optim: dict[str, Any] = {}
-        for idx, st in osd["state"].items():
+        for idx in sorted(state):
+            for k, v in state[idx].items():
+                optim[f"state.{self.names[idx]}.{k}"] = v
+        optim.update(group_hyperparams(opt._packed_groups()))
+        return {"model": model, "optim": optim}
+
+    def logical_state_dict(self) -> dict[str, Any]:
+        """The same keys as :meth:`state_dict` with every state tensor whole (the parameter's shape) and
+        every value a copy: ``ShardedOptimizer.logical_state_dict`` (collective: one all-gather per state
+        tensor per unit, ``tag="state"``; every rank holds the whole optimizer state meanwhile). For
+        :class:`lowband.diloco.state.DilocoCheckpoint` and for inspection; :meth:`load_state_dict` takes it."""
+        full = self.optimizer.logical_state_dict()
+        optim: dict[str, Any] = {}
+        for idx, st in full["state"].items():
             for k, v in st.items():
                 optim[f"state.{self.names[idx]}.{k}"] = v
-        optim.update(group_hyperparams(osd["param_groups"]))
-        return {"model": model, "optim": optim}
+        optim.update(group_hyperparams(full["param_groups"]))
+        return {"model": {n: p.detach().clone() for n, p in self.model.named_parameters()}, "optim": optim}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Apply a filled :meth:`state_dict` template, or :meth:`logical_state_dict`'s whole tensors (see
+        the class docstring); no communication. A parameter whose state is missing starts as before its
+        first step."""
         opt = self.optimizer
         opt.wait_for_params()
         for n, p in self.model.named_parameters():
-            p.copy_(state["model"][n])  # a view into the optimizer's flat parameter buffer
+            v = state["model"][n]
+            if not _same_memory(v, p):
+                p.copy_(v)  # a view into the optimizer's flat parameter buffer
         optim = state["optim"]
         index = {n: i for i, n in enumerate(self.names)}
-        per_param: dict[int, dict[str, Any]] = {}
-        for key, v in optim.items():
-            if not key.startswith("state."):
-                continue
-            fqn, k = key[len("state."):].rsplit(".", 1)
-            if fqn not in index:
+        for key in optim:
+            if key.startswith("state.") and key[len("state."):].rsplit(".", 1)[0] not in index:
                 raise ValueError(f"ShardedStateLayout.load_state_dict: {key!r} names no optimizer parameter")
-            per_param.setdefault(index[fqn], {})[k] = v
         groups = []
         start = 0
         for gi, g in enumerate(opt.param_groups):
@@ -194,4 +294,67 @@ class ShardedStateLayout:
             packed["params"] = list(range(start, start + len(g["params"])))
             start += len(g["params"])
             groups.append(packed)
-        opt.load_state_dict({"state": per_param, "param_groups": groups})
+        opt._load_groups(groups, "ShardedStateLayout.load_state_dict")
+        self._ensure_state()
+        params = [p for g in opt.param_groups for p in g["params"]]
+        rank = opt.comm.rank
+        for ui, mi, st, parts in self._owned():
+            unit = opt._units[ui]
+            m = unit.layout.members[mi]
+            prefix = f"state.{self.names[m.index]}."
+            if "steps" in st:
+                step = optim.get(prefix + "step")
+                st["steps"][mi] = int(float(step)) if step is not None else 0
+            for key, dst, a, b in parts:
+                if dst is None:
+                    continue
+                v = optim.get(prefix + key)
+                if v is None:  # as before the member's first step
+                    if key == "master":
+                        dst.copy_(params[m.index].detach().reshape(-1)[a:b])
+                    else:
+                        dst.zero_()
+                elif isinstance(v, LocalChunks):
+                    _take_pieces(v, dst, a, b, prefix + key)
+                elif type(v) is torch.Tensor or isinstance(v, nn.Parameter):
+                    if v.numel() != m.numel:
+                        raise ValueError(f"ShardedStateLayout.load_state_dict: {prefix + key!r} has "
+                                         f"{v.numel()} elements, the parameter {m.numel}")
+                    dst.copy_(v.reshape(-1)[a:b])
+                else:
+                    raise TypeError(f"ShardedStateLayout.load_state_dict: {prefix + key!r} is a {type(v).__name__}; "
+                                    "expected the LocalChunks of this layout's state_dict() or a whole tensor")
+        for ui, unit in enumerate(opt._units):  # bucket padding past the last member: as a fresh state
+            lay = unit.layout
+            if lay.kind != "adamw":
+                continue
+            lo, hi = lay.owner_range(rank)
+            end = max(lo, min(hi, max(m.offset + m.numel for m in lay.members)))
+            if end < hi:
+                st = opt.state[ui]
+                st["exp_avg"][end - lo:].zero_()
+                st["exp_avg_sq"][end - lo:].zero_()
+                if "master" in st:
+                    st["master"][end - lo:].copy_(unit.param_buf[end:hi])
+
+
+def _same_memory(a: Any, b: torch.Tensor) -> bool:
+    return (type(a) is torch.Tensor or isinstance(a, nn.Parameter)) and a.device == b.device \
+        and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+
+
+def _take_pieces(v: LocalChunks, dst: torch.Tensor, a: int, b: int, key: str) -> None:
+    """Copy ``v``'s pieces into ``dst`` (the logical flat elements ``[a, b)``), unless they are views of it
+    already (the template :meth:`ShardedStateLayout.state_dict` made, filled in place)."""
+    mine = local_chunks(v.shape, a, b, dst)
+    theirs = {o: t for o, t in v.pieces}
+    if len(theirs) != len(mine.pieces):
+        raise ValueError(f"ShardedStateLayout.load_state_dict: {key!r} does not hold this rank's part "
+                         "(pass the template this layout's state_dict() returned, filled by dcp.load)")
+    for o, t in mine.pieces:
+        src = theirs.get(o)
+        if src is None or src.shape != t.shape:
+            raise ValueError(f"ShardedStateLayout.load_state_dict: {key!r} does not hold this rank's part "
+                             "(pass the template this layout's state_dict() returned, filled by dcp.load)")
+        if src.data_ptr() != t.data_ptr() or src.stride() != t.stride():  # else filled in place already
+            t.copy_(src)

@@ -30,10 +30,11 @@ Load protocol: rank 0 reads the marker, checks that every recorded file is there
 (and SHA-256 when ``checkpoint.verify``), and shares the result with every rank (one ``all_gather_object``),
 so a corrupt or mismatched checkpoint raises the same :class:`CheckpointError` on every rank before any
 DCP collective. Then every rank builds the state it expects (the same structure it would save) and
-``dcp.load`` fills it in place, resharding DTensor state to the current world.
+``dcp.load`` fills it in place, resharding sharded state to the current world.
 
 What is saved (one DCP state dict):
-    ``strategy``: ``Strategy.state_dict()`` (model and optimizer, sharded state as DTensors; see
+    ``strategy``: ``Strategy.state_dict()`` (model and optimizer; sharded state as DTensors or as rank-local chunks,
+    :mod:`lowband.dcp_chunks`; see
     docs/checkpoints.md for what each strategy provides); ``trainer``: pickled step, LR scheduler, data
     loader position, guard counters and ``extra`` (the trainer's per-rank cumulative wire-byte counters,
     gathered to every rank) (identical on every rank, written once); ``rng_rank<r>``: rank r's

@@ -9,6 +9,7 @@ another world size (another reduce-scatter summation order) agrees to 1e-10.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -39,7 +40,7 @@ def sharded_config(shard: str, world: int, strategy: str, *, steps: int = 4, ckp
 
 
 def _snapshot(res) -> dict:
-    state = full_state(res.strategy.state_dict(),
+    state = full_state(res.strategy.logical_state_dict(),  # whole tensors (gathered), the saved keys
                        lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v)
     return {"losses": {r["step"]: r["loss"] for r in res.rows if "loss" in r}, "state": state,
             "start": res.start_step, "skipped": list(res.skipped_steps)}
@@ -89,6 +90,23 @@ def test_sharded_stop_and_resume_is_bitwise_exact(shard: str, tmp_path: Path, st
         assert {"optim.state.tok_emb.weight.exp_avg", "optim.state.blocks.0.mlp.fc.weight.step"} <= keys
     else:
         assert {"optim.state.blocks.0.mlp.fc.weight.momentum_buffer", "optim.state.tok_emb.weight.exp_avg"} <= keys
+
+
+def test_sharded_async_save_snapshots_at_save_time(shard: str, tmp_path: Path) -> None:
+    """Async save of rank-local chunks (views of the live optimizer state and parameters): step-2 is staged
+    at save time and written while steps 3-4 train; resuming from it equals the uninterrupted run."""
+    world = 2
+    full = run_ranks(_run, world, sharded_config(shard, world, "sharded-adamw"))
+    cfg = sharded_config(shard, world, "sharded-adamw", ckpt_dir=str(tmp_path), every=2)
+    cfg.checkpoint.async_save, cfg.checkpoint.keep_last = True, 3
+    run_ranks(_run, world, cfg)
+    assert [c.step for c in list_checkpoints(tmp_path)] == [2, 4]
+    cfg.checkpoint.resume, cfg.checkpoint.overwrite = str(tmp_path / "step-2"), True
+    second = run_ranks(_run, world, cfg)
+    for r in range(world):
+        assert second[r]["start"] == 2
+        assert second[r]["losses"] == {k: v for k, v in full[r]["losses"].items() if k > 2}
+        assert_same_state(second[r]["state"], full[r]["state"])
 
 
 @pytest.mark.parametrize(("strategy", "saved_world", "new_world"),
@@ -149,3 +167,158 @@ def test_sharded_fp32_masters_resume_bitwise(shard: str, tmp_path: Path, strateg
         assert {**first[r]["losses"], **second[r]["losses"]} == full[r]["losses"]
         assert_same_state(second[r]["state"], full[r]["state"])
     assert any(k.endswith(".master") for k in full[0]["state"])
+
+
+# ------------------------------------------------------------------- rank-local chunks, no gather
+class _Net(torch.nn.Module):
+    """fp32 ``w [13, 7]`` / ``cube [3, 4, 5]`` / ``b [13]``, bf16 ``wb [9, 5]`` / ``bb [9]`` (fp32 masters),
+    Muon-shaped ``m0..m4 [6, 4]`` and ``n0..n2 [4, 6]``, a parameter used only at the first step (its step
+    count differs) and one never used (step 0). Built from ``seed``, identically on every rank."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+
+        def p(*shape: int, dtype: torch.dtype = torch.float32) -> torch.nn.Parameter:
+            return torch.nn.Parameter(torch.randn(*shape, generator=g).to(dtype))
+
+        self.w, self.cube, self.b = p(13, 7), p(3, 4, 5), p(13)
+        self.wb, self.bb = p(9, 5, dtype=torch.bfloat16), p(9, dtype=torch.bfloat16)
+        self.m = torch.nn.ParameterList([p(6, 4) for _ in range(5)])
+        self.n = torch.nn.ParameterList([p(4, 6) for _ in range(3)])
+        self.first_only, self.unused = p(7), p(3)
+
+    def loss(self, step: int, rank: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        total = torch.zeros(())
+        for name, q in self.named_parameters():
+            if name == "unused" or (name == "first_only" and step > 0):
+                continue
+            c = torch.randn(q.shape, generator=g)
+            total = total + (q.float() * c).sum() + 0.1 * (q.float() ** 2 * c.abs()).sum()
+        return total
+
+
+def _chunk_opt(model: _Net, algo: str) -> Any:
+    from lowband.optim import ShardedAdamW, ShardedMuon
+
+    if algo == "adamw":  # ~30 floats per bucket: owner ranges and buckets cut through w and cube
+        return ShardedAdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1,
+                            bucket_mb=120 / 2**20)
+    muon = list(model.m) + list(model.n)
+    ids = {id(q) for q in muon}
+    return ShardedMuon(muon, [q for q in model.parameters() if id(q) not in ids], lr=0.03, ns_dtype=torch.float32,
+                       adamw_lr=1e-2, weight_decay=0.05, bucket_mb=200 / 2**20, param_wire_dtype=torch.bfloat16)
+
+
+def _full(model: _Net, opt: Any) -> dict:
+    return {"params": {n: q.detach().clone() for n, q in model.named_parameters()},
+            "opt": opt.full_state_dict()}
+
+
+def _old_format(layout: Any) -> dict:
+    """The dict ShardedStateLayout saved before rank-local chunks: parameter copies, and the optimizer's
+    ``state_dict()`` (gathered, then each rank's ``torch.chunk`` rows as ``Shard(0)`` DTensors) under flat keys."""
+    from lowband.optim.sharded_state import group_hyperparams
+
+    osd = layout.optimizer.state_dict()
+    optim = {f"state.{layout.names[i]}.{k}": v for i, st in osd["state"].items() for k, v in st.items()}
+    optim.update(group_hyperparams(osd["param_groups"]))
+    return {"model": {n: q.detach().clone() for n, q in layout.model.named_parameters()}, "optim": optim}
+
+
+def _chunk_save_or_load(algo: str, path: str, save: bool, old_format: bool = False) -> dict:
+    """Train 3 steps and save (``save``; in the gathered ``Shard(0)`` format of earlier versions with
+    ``old_format``), or load into a fresh optimizer built from another seed; the ledger records of the save
+    or the load alone, and the whole state around it."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from lowband.comm import default_ledger
+    from lowband.dcp_chunks import LocalChunks
+    from lowband.optim import ShardedStateLayout
+
+    rank = dist.get_rank()
+    model = _Net(0 if save else 1)
+    opt = _chunk_opt(model, algo)
+    layout = ShardedStateLayout(model, opt)
+    ledger = default_ledger()
+    out: dict[str, Any] = {}
+    if save:
+        for step in range(3):
+            model.loss(step, rank).backward()
+            opt.step()
+            opt.zero_grad()
+        out["full"] = _full(model, opt)
+        out["cut_rows"] = [(u.kind, m.shape, (lo - m.offset) % m.shape[-1])
+                           for u in opt.units for lo in [u.owner_range(rank)[0]] for m in u.members
+                           if m.offset < lo < m.offset + m.numel]
+        if old_format:
+            dcp.save(_old_format(layout), checkpoint_id=path)
+            return out
+        n0 = len(ledger.records)
+        sd = layout.state_dict()
+        out["chunk_keys"] = sorted(k for k, v in sd["optim"].items() if isinstance(v, LocalChunks))
+        dcp.save(sd, checkpoint_id=path)
+    else:
+        n0 = len(ledger.records)
+        sd = layout.state_dict()
+        dcp.load(sd, checkpoint_id=path)
+        layout.load_state_dict(sd)
+    out["records"] = [(r.op, r.tag, r.numel) for r in ledger.records[n0:]]
+    if not save:
+        out["full"] = _full(model, opt)
+    return out
+
+
+def _assert_same_full(a: dict, b: dict) -> None:
+    assert a["params"].keys() == b["params"].keys()
+    for k, v in a["params"].items():
+        assert v.dtype == b["params"][k].dtype and torch.equal(v, b["params"][k]), k
+    sa, sb = a["opt"]["state"], b["opt"]["state"]
+    assert sa.keys() == sb.keys()
+    for i in sa:
+        assert sa[i].keys() == sb[i].keys(), i
+        for k, v in sa[i].items():
+            assert v.dtype == sb[i][k].dtype and torch.equal(v, sb[i][k]), (i, k)
+    assert a["opt"]["param_groups"] == b["opt"]["param_groups"]
+
+
+@pytest.mark.parametrize("algo", ["adamw", "muon"])
+def test_sharded_layout_saves_and_loads_rank_local_chunks(tmp_path: Path, algo: str) -> None:
+    """ShardedStateLayout: saved from 2 ranks, loaded on 4 and on 1; saved from 4, loaded on 2. The loaded
+    optimizer's full state (per-member steps, moments / momentum, fp32 masters) and parameters are bitwise
+    those of the run that saved, and neither the save nor the load moves optimizer state over the wire
+    (no ``tag="state"`` collective; none of lowband's at all)."""
+    for saved_world, loads in ((2, (4, 1)), (4, (2,))):
+        path = str(tmp_path / f"{algo}-{saved_world}")
+        saved = run_ranks(_chunk_save_or_load, saved_world, algo, path, True)
+        assert all(r["records"] == [] for r in saved)
+        ref = saved[0]["full"]
+        for r in saved:
+            _assert_same_full(r["full"], ref)
+        steps = {i: float(st["step"]) for i, st in ref["opt"]["state"].items() if "step" in st}
+        assert {1.0, 3.0} <= set(steps.values())  # per-member steps (first_only stepped once)
+        assert any(k.endswith(".master") for k in saved[0]["chunk_keys"])
+        if algo == "adamw":
+            assert any(kind == "adamw" and len(shape) >= 2 and cut for r in saved for kind, shape, cut in r["cut_rows"])
+        else:
+            assert any(k.endswith(".momentum_buffer") for k in saved[0]["chunk_keys"])
+        for world in loads:
+            loaded = run_ranks(_chunk_save_or_load, world, algo, path, False)
+            for r in loaded:
+                assert [x for x in r["records"] if x[1] == "state"] == []
+                assert r["records"] == []
+                _assert_same_full(r["full"], ref)
+
+
+@pytest.mark.parametrize("algo", ["adamw", "muon"])
+def test_sharded_layout_loads_the_gathered_shard0_format(tmp_path: Path, algo: str) -> None:
+    """A checkpoint written by the earlier layout (per-parameter ``Shard(0)`` DTensors of the gathered state)
+    on 2 ranks loads into the rank-local layout on 4 ranks and on 1, bitwise."""
+    path = str(tmp_path / "old")
+    ref = run_ranks(_chunk_save_or_load, 2, algo, path, True, True)[0]["full"]
+    for world in (4, 1):
+        for r in run_ranks(_chunk_save_or_load, world, algo, path, False):
+            assert r["records"] == []
+            _assert_same_full(r["full"], ref)
