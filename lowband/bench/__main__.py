@@ -116,12 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         doc = rank_main(suite, opts)
     else:
-        from lowband.testing import run_ranks, shutdown_pools
+        from lowband.testing import own_pools, run_ranks
 
-        try:
+        with own_pools():  # the ranks this call started stop with it; a caller's pools are kept
             doc = run_ranks(rank_main, opts["world"], suite, opts, timeout=opts["timeout"])[0]
-        finally:
-            shutdown_pools()
     if doc is not None:
         path, md = write_outputs(doc, out)
         print(markdown_table(doc))

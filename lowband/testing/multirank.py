@@ -16,12 +16,13 @@ thread, and the process-wide comm ledger reset.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -102,6 +103,20 @@ def shutdown_pools() -> None:
     for pool in list(_POOLS.values()):
         pool.close()
     _POOLS.clear()
+
+
+@contextlib.contextmanager
+def own_pools() -> Iterator[None]:
+    """On exit, stop the rank pools created inside the block; pools that existed before belong to the
+    caller (a test session calling ``lowband.bench``'s ``main``) and stay up for its next calls."""
+    before = {id(pool) for pool in _POOLS.values()}
+    try:
+        yield
+    finally:
+        for world_size, pool in list(_POOLS.items()):
+            if id(pool) not in before:
+                pool.close()
+                _POOLS.pop(world_size, None)
 
 
 class _StartupFailure(DistributedTestError):

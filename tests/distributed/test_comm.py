@@ -210,5 +210,27 @@ def _sleep_forever() -> None:
 
 
 def test_harness_times_out() -> None:
-    with pytest.raises(DistributedTestError, match="timed out"):
-        run_ranks(_sleep_forever, 2, timeout=3)
+    # one rank is enough to time out, and the pool it tears down is the cheapest to start again
+    with pytest.raises(DistributedTestError, match="timed out after 3s on 1 ranks; ranks \\[0\\] did not finish"):
+        run_ranks(_sleep_forever, 1, timeout=3)
+
+
+def _rank() -> int:
+    return dist.get_rank()
+
+
+def test_own_pools_stops_only_the_pools_started_inside() -> None:
+    from lowband.testing import own_pools
+    from lowband.testing.multirank import _POOLS
+
+    assert run_ranks(_rank, 2) == [0, 1]
+    caller = _POOLS[2]
+    if 1 in _POOLS:  # make the 1-rank pool one that the block starts
+        _POOLS.pop(1).close()
+    with own_pools():
+        assert run_ranks(_rank, 2) == [0, 1] and run_ranks(_rank, 1) == [0]
+        started = _POOLS[1]
+        assert _POOLS[2] is caller
+    assert _POOLS.get(2) is caller and caller.alive()  # the caller's pool serves its next call
+    assert 1 not in _POOLS and not any(p.is_alive() for p in started.procs)
+    assert run_ranks(_rank, 2) == [0, 1] and _POOLS[2] is caller
