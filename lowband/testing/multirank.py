@@ -6,8 +6,9 @@ of per-rank return values, and re-raises a failure as :class:`DistributedTestErr
 failing rank's traceback. ``fn`` must be importable (module level) because ranks are spawned.
 
 Spawning a process that imports torch costs seconds, so ranks live in a pool per world size that is
-reused across calls; each call gets its own process group, which is destroyed afterwards. Any
-failure or timeout tears the pool down so the next call starts clean. Set
+reused across calls; each call gets its own process group, which is destroyed afterwards. A failure
+after which some rank did not report back (it may still be blocked in a collective), a failed start, or
+a timeout tears the pool down so the next call starts clean; a failure every rank reported keeps it. Set
 ``LOWBAND_TEST_POOL=0`` to spawn fresh processes for every call.
 
 Per call, each rank starts with ``torch.manual_seed(0)``, the default dtype float32, one intra-op
@@ -198,7 +199,10 @@ def _run_ranks_once(fn: Callable[..., Any], world_size: int, args: tuple, kwargs
                     failure = (rank, value)
                     startup_failed = phase == "init"
         if failure is not None:
-            healthy = False
+            # Every rank reported (each left ``fn`` and destroyed its process group): the processes are
+            # fine for the next call. A rank still inside ``fn`` (e.g. blocked in a collective its peer
+            # left), or a failed start, takes the pool down.
+            healthy = len(results) == world_size and not startup_failed
             error = _StartupFailure if startup_failed else DistributedTestError
             raise error(f"{fn.__module__}.{fn.__qualname__} failed on rank "
                                        f"{failure[0]} of {world_size}:\n{failure[1]}")

@@ -54,6 +54,9 @@ class RunConfig:
     tensorboard: bool = False
     """Rank 0 also writes TensorBoard scalars (loss, val_loss, lr, grad_norm, tokens/s, wire MB, cumulative
     bytes) to ``<run_dir>/tensorboard/``; needs ``pip install 'lowband[tb]'``."""
+    plot: bool = True
+    """Rank 0 draws ``loss.png`` (loss and cumulative wire bytes, matplotlib) at the end of the run; false
+    skips it (about a second of CPU for a short run; ``metrics.jsonl`` holds the same figures)."""
     export: bool = True
     """At the end of the run write the final model, unsharded, to ``<run dir>/model.safetensors`` plus
     ``model.json`` (how to rebuild it): load with ``lowband.load_trained``, sample with ``python -m

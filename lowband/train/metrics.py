@@ -178,13 +178,15 @@ def format_log_line(row: dict[str, Any], total_steps: int) -> str:
 
 
 class RunWriter:
-    """Writes ``metrics.jsonl`` (one JSON object per line) and ``loss.png`` into the run directory.
+    """Writes ``metrics.jsonl`` (one JSON object per line) and ``loss.png`` (unless ``plot=False``) into the
+    run directory.
 
     Only rank 0 creates one; other ranks pass ``None`` around.
     """
 
-    def __init__(self, run_dir: Path, stream: TextIO | None = None) -> None:
+    def __init__(self, run_dir: Path, stream: TextIO | None = None, plot: bool = True) -> None:
         self.run_dir = run_dir
+        self.draw_plot = plot  # loss.png at close (run.plot)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = run_dir / "metrics.jsonl"
         self._fh = self.metrics_path.open("w")
@@ -201,7 +203,8 @@ class RunWriter:
 
     def close(self) -> None:
         self._fh.close()
-        self.plot()
+        if self.draw_plot:
+            self.plot()
 
     def plot(self) -> Path | None:
         """``loss.png``: train (interval means) and validation loss; cumulative wire bytes per rank with the

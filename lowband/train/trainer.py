@@ -283,7 +283,7 @@ def _train(cfg: Config, env: DistEnv, *, model_factory: ModelFactory | None, wri
         print(f"lowband.train: resumed from {checkpointer.resumed_from.path} (step {start_step})", flush=True)
     if env.is_main and write_run_dir:
         earlier = _rows_before(run_dir / "metrics.jsonl", start_step) if start_step else []
-        writer = RunWriter(run_dir)
+        writer = RunWriter(run_dir, plot=cfg.run.plot)
         for row in earlier:  # a resumed run keeps the history up to its checkpoint
             writer.write(row)
         (run_dir / "config.toml").write_text(to_toml(cfg))

@@ -11,7 +11,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# A tiny run: one block, 32 wide, 3 steps of 2 sequences of 32 tokens per rank on the built-in corpus.
+# A tiny run: one block, 32 wide, 3 steps of 2 sequences of 32 tokens per rank on the built-in corpus; no
+# loss.png (matplotlib costs each run about a second; tests/distributed/test_trainer.py checks the plot).
 TINY_TOML = """\
 [run]
 name = "t"
@@ -21,6 +22,7 @@ val_every = 0
 val_batches = 1
 world_size = 1
 timeout_s = 20
+plot = false
 [model]
 n_layer = 1
 n_embd = 32

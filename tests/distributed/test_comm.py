@@ -194,14 +194,25 @@ def test_bad_arguments_single_process() -> None:
         comm.reduce_scatter(torch.zeros(3), torch.zeros(4))
 
 
+def _rank() -> int:
+    return dist.get_rank()
+
+
 def _raises_on_rank_one() -> None:
     if dist.get_rank() == 1:
         raise RuntimeError("boom on purpose")
 
 
 def test_harness_reports_failing_rank() -> None:
+    from lowband.testing.multirank import _POOLS
+
+    assert run_ranks(_rank, 2) == [0, 1]
+    pool = _POOLS[2]
     with pytest.raises(DistributedTestError, match=r"rank 1 of 2[\s\S]*boom on purpose"):
         run_ranks(_raises_on_rank_one, 2)
+    # both ranks reported back (rank 0 returned, rank 1 raised): the same processes serve the next call
+    assert _POOLS.get(2) is pool and pool.alive()
+    assert run_ranks(_rank, 2) == [0, 1] and _POOLS[2] is pool
 
 
 def _sleep_forever() -> None:
@@ -213,10 +224,6 @@ def test_harness_times_out() -> None:
     # one rank is enough to time out, and the pool it tears down is the cheapest to start again
     with pytest.raises(DistributedTestError, match="timed out after 3s on 1 ranks; ranks \\[0\\] did not finish"):
         run_ranks(_sleep_forever, 1, timeout=3)
-
-
-def _rank() -> int:
-    return dist.get_rank()
 
 
 def test_own_pools_stops_only_the_pools_started_inside() -> None:

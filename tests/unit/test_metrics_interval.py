@@ -139,6 +139,17 @@ def test_plot_shows_cumulative_bytes_and_reference(tmp_path: Path) -> None:
     assert (tmp_path / "loss.png").stat().st_size > 1000
 
 
+def test_plot_off_writes_the_metrics_and_no_png(tmp_path: Path) -> None:
+    from lowband.train.config import load_config
+
+    assert load_config(None, []).run.plot is True and load_config(None, ["--run.plot=false"]).run.plot is False
+    w = RunWriter(tmp_path, plot=False)
+    w.write({"step": 1, "loss": 3.0})
+    w.close()
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "loss": 3.0}
+    assert not (tmp_path / "loss.png").exists()
+
+
 def _one_rank_summary(**kw):
     from lowband.comm import Comm, CommLedger
     from lowband.train.summary import run_summary
