@@ -7,6 +7,8 @@ one process, a ``Shard(0)`` DTensor) reads the same file:
 
 * :func:`flat_range_boxes` splits the range into at most ``2 * (ndim - 1) + 1`` rectangular boxes,
   each a contiguous flat sub-range, so a box's data is a view ``flat[s:e].view(sizes)`` (no copy).
+* :func:`box_pieces` / :func:`box_chunks` take rectangular boxes a layout holds as they are (GTP's real
+  rows of a row shard at their row offset, a whole matrix its owner keeps), cut by :func:`split_box`.
 * :func:`split_box` caps the size of each saved chunk (``MAX_CHUNK_BYTES``) by cutting a box into
   blocks on a grid fixed in the tensor's own coordinates (independent of the world size and of the
   range), because DCP's file reader loads a whole saved chunk for every read that overlaps it (a load
@@ -126,13 +128,30 @@ def flat_range_pieces(shape: Sequence[int], a: int, b: int, data: torch.Tensor,
                          f"got shape {tuple(data.shape)}")
     pieces = []
     for offsets, sizes, start in flat_range_boxes(shape, a, b):
-        box = data[start - a:start - a + _prod(sizes)].view(sizes)
-        for sub_off, sub_sizes in split_box(offsets, sizes, data.element_size(), max_bytes):
-            view = box
-            for dim, (o, so, s) in enumerate(zip(offsets, sub_off, sub_sizes, strict=True)):
-                if so != o or s != view.shape[dim]:
-                    view = view.narrow(dim, so - o, s)
-            pieces.append((sub_off, view))
+        pieces += box_pieces(offsets, data[start - a:start - a + _prod(sizes)].view(sizes), max_bytes)
+    return pieces
+
+
+def box_pieces(offsets: Sequence[int], box: torch.Tensor,
+               max_bytes: int = MAX_CHUNK_BYTES) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """The pieces of :class:`LocalChunks` for one rectangular box of a logical tensor.
+
+    ``box`` holds the box's elements (a tensor of the box's sizes, usually a view into its owner's
+    buffer) and ``offsets`` are the box's coordinates in the logical tensor; each piece is
+    ``(offsets, view of box)``, the box cut by :func:`split_box`. An empty box gives ``[]``.
+    """
+    offsets = tuple(int(o) for o in offsets)
+    if len(offsets) != box.dim():
+        raise ValueError(f"box_pieces: {len(offsets)} offsets for a box of shape {tuple(box.shape)}")
+    if box.numel() == 0:
+        return []
+    pieces = []
+    for sub_off, sub_sizes in split_box(offsets, box.shape, box.element_size(), max_bytes):
+        view = box
+        for dim, (o, so, s) in enumerate(zip(offsets, sub_off, sub_sizes, strict=True)):
+            if so != o or s != view.shape[dim]:
+                view = view.narrow(dim, so - o, s)
+        pieces.append((sub_off, view))
     return pieces
 
 
@@ -233,3 +252,12 @@ def local_chunks(shape: Sequence[int], a: int, b: int, data: torch.Tensor, *, dt
     (1-D, the range's elements; ``dtype`` / ``device`` default to ``data``'s)."""
     return LocalChunks(shape, flat_range_pieces(shape, a, b, data, max_bytes), dtype=dtype or data.dtype,
                        device=device if device is not None else data.device)
+
+
+def box_chunks(shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], torch.Tensor]], *, dtype: torch.dtype,
+               device: torch.device | str, max_bytes: int = MAX_CHUNK_BYTES) -> LocalChunks:
+    """:class:`LocalChunks` of logical ``shape`` holding the rectangular ``boxes`` ``[(offsets, tensor of the
+    box's sizes)]`` as views (each cut by :func:`box_pieces`); ``dtype`` / ``device`` are the logical
+    tensor's (given, since ``boxes`` may be empty: a rank holding no element of the tensor)."""
+    return LocalChunks(shape, [p for offsets, box in boxes for p in box_pieces(offsets, box, max_bytes)],
+                       dtype=dtype, device=device)

@@ -43,9 +43,9 @@ exactly what the uninterrupted one applies.
 the same way) under ``model`` / ``optim`` and nests the DiLoCo state under ``diloco``: the DCP layout
 the trainer's ``diloco`` strategy checkpoints. The inner part is the inner torch optimizer's state per
 parameter (DDP inside), or the inner strategy's own checkpoint layout (sharded optimizer, GTP)
-gathered to logical tensors inside the replica (for sharded state, the inner's ``logical_state_dict``:
-one all-gather per state tensor per unit over the replica's dp group; GTP's layout gathers its shards
-over the gtp group). Communication: besides those
+gathered to logical tensors inside the replica (the inner's ``logical_state_dict``: for sharded state,
+one all-gather per state tensor per unit over the replica's dp group; for GTP, one all-gather per GTP
+tensor over the gtp group, or a broadcast per GTP Muon momentum). Communication: besides those
 gathers none of its own, except that the first per-replica ``DTensor`` creates the device mesh
 (collective, every rank alike) and saving completes an in-flight all-reduce.
 """
@@ -278,9 +278,9 @@ class DilocoCheckpoint:
       :class:`~lowband.optim.sharded_state.ShardedStateLayout`, GTP's
       :class:`~lowband.parallel.gtp_state.GTPStateLayout`, i.e. the inner strategy itself): its values are
       made *logical*, the same full tensor on every rank of the replica (an inner with a
-      ``logical_state_dict()``, the sharded strategies, is asked for that gathered form instead of its
-      rank-local ``state_dict()``, ``tag="state"``; ``Shard(0)`` DTensors over ``inner_comm`` are
-      all-gathered through it; GTP's layout already gathers its shards), and every tensor becomes a row;
+      ``logical_state_dict()``, the sharded and GTP strategies, is asked for that gathered form instead of
+      its rank-local ``state_dict()``: ``tag="state"`` / ``"gtp:state"``; ``Shard(0)`` DTensors over
+      ``inner_comm`` are all-gathered through it), and every tensor becomes a row;
       other values (hyperparameters) stay plain. Loading hands the rows back as full tensors to
       ``inner.load_state_dict``, which keeps this rank's part. So the inner layout inside a replica may change
       between save and resume (dp or gtp size), the replica count may not. Transiently every rank holds its

@@ -684,7 +684,7 @@ class GTPRuntime:
                 f"GTP: the state all-gather of {what} over group {self.comm.name!r} (size {self.size}) did "
                 f"not complete within {self.options.state_timeout:g} s "
                 f"({str(e).splitlines()[0] if str(e) else type(e).__name__}): unsharded_copy(model), "
-                "GTPStateLayout.state_dict() and full_weight() are collective, call them on every rank of "
+                "GTPStateLayout.logical_state_dict() and full_weight() are collective, call them on every rank of "
                 "the GTP group (then use the result on rank 0 alone); GTPOptions(state_timeout=...) sets "
                 "the wait") from None
 

@@ -2,29 +2,44 @@
 
 :class:`GTPStateLayout` turns a GTP model (any model after :func:`~lowband.parallel.gtp.shard_linears`
 / :func:`~lowband.parallel.gtp.shard_embeddings`) and its elementwise optimizer (torch AdamW, SGD, ...)
-into the state a single-process model has: every GTP shard and every optimizer state tensor of the
-shard's shape is gathered to the logical, unpadded weight shape, under the parameter's own name.
-The result is what ``get_state_dict(model, optimizer, flatten_optimizer_state_dict=True)`` returns
-for the unsharded model::
+into the keys and **logical** shapes a single-process model has: every GTP weight and every optimizer
+state tensor of the shard's shape is described as the logical, unpadded ``[out_features,
+in_features]`` tensor, under the parameter's own name. The keys are what ``get_state_dict(model,
+optimizer, flatten_optimizer_state_dict=True)`` returns for the unsharded model::
 
     {"model": {<fqn>: tensor}, "optim": {"state.<fqn>.<key>": tensor | scalar,
                                          "param_groups.<fqn>.<hyper>": value}}
 
-so it is the same on every rank (plain tensors: DCP writes one copy), loads at any GTP degree (each
-rank slices its padded rows back out) and into ``single``/``ddp`` models, and theirs into GTP.
+:meth:`GTPStateLayout.state_dict` (what checkpoints save) gives each GTP tensor as a
+:class:`lowband.dcp_chunks.LocalChunks` of the logical shape holding this rank's **real rows only**:
+``shard[:real_rows]`` at row offset ``rank * shard_rows``, ``real_rows = clamp(out_features - rank *
+shard_rows, 0, shard_rows)`` (a view into the live shard, cut into chunks of at most 16 MiB on a row
+grid fixed in the weight's coordinates; a rank whose rows are all padding holds no piece, and padding
+rows are never written). Data-parallel copies of a shard write the same chunks (DCP writes them once).
+Non-GTP parameters, their state and scalars are the plain tensors torch's ``get_state_dict`` gives.
+So ``dcp.save`` writes what each rank owns, and ``dcp.load`` into a fresh :meth:`state_dict` reads only
+the saved chunks overlapping this rank's real rows, at any GTP degree; the file is the same as that of
+``single``/``ddp`` (one logical tensor per key), so each loads the other's.
+
+:meth:`GTPStateLayout.logical_state_dict` is the gathered form: the same keys with every GTP tensor
+all-gathered to the whole logical tensor (the same on every rank); for DiLoCo's checkpoint of a GTP inner
+and for inspection. :meth:`GTPStateLayout.load_state_dict` takes either (and files of the earlier
+gathered format, which are plain logical tensors under the same keys): it copies this rank's real rows
+into its padded shard, padding rows zero.
 
 Plain ``state_dict()`` of a GTP module raises :class:`~lowband.parallel.gtp.GTPStateError` (it would
 label one rank's shard as the whole weight), and so does torch's ``get_state_dict`` on the model:
 checkpoints go through this class (``dcp.save(layout.state_dict(), ...)``; to load: ``sd =
 layout.state_dict(); dcp.load(sd, ...); layout.load_state_dict(sd)``).
 
-Optimizer state of a GTP parameter must be elementwise: tensors of the shard's shape are gathered,
+Optimizer state of a GTP parameter must be elementwise: tensors of the shard's shape are saved by rows,
 0-d tensors and numbers (``step``) are kept; any other shape raises ``ValueError`` naming it (a
 non-elementwise state cannot be resharded by rows).
 
-Communication: :meth:`GTPStateLayout.state_dict` all-gathers each GTP weight and each of its
-shard-shaped state tensors over the GTP group (tag ``"gtp:state"``; transiently every rank holds
-them whole); :meth:`GTPStateLayout.load_state_dict` has none. Both must run on every rank.
+Communication: :meth:`GTPStateLayout.state_dict` and :meth:`GTPStateLayout.load_state_dict` issue none
+(DCP's own planning collectives only: metadata, no tensor data); :meth:`GTPStateLayout.logical_state_dict`
+all-gathers each GTP weight and each of its shard-shaped state tensors over the GTP group (tag
+``"gtp:state"``; transiently every rank holds them whole) and must run on every rank.
 """
 
 from __future__ import annotations
@@ -35,6 +50,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lowband.dcp_chunks import LocalChunks, box_chunks
 from lowband.parallel.gtp import GTPWeight, is_gtp_param
 
 
@@ -65,8 +81,62 @@ def shard_of_logical(gw: GTPWeight, full: torch.Tensor, what: str) -> torch.Tens
     return shard
 
 
+def real_rows(gw: GTPWeight) -> tuple[int, int]:
+    """``(lo, n)``: this rank's shard holds the logical rows ``[lo, lo + n)`` of ``gw`` (``n`` may be 0:
+    a shard of padding rows only); its rows past ``n`` are padding."""
+    lo = gw.runtime.rank * gw.shard_rows
+    return lo, max(0, min(gw.shard_rows, gw.out_features - lo))
+
+
+def local_rows(gw: GTPWeight, shard: torch.Tensor) -> LocalChunks:
+    """``shard`` (this rank's padded row shard of ``gw``, or a tensor of its shape) as a
+    :class:`~lowband.dcp_chunks.LocalChunks` of the logical ``[out_features, in_features]`` shape holding
+    its real rows, views of ``shard`` (no copy, no communication)."""
+    view = shard.detach().view(gw.shard_rows, gw.in_features)
+    lo, n = real_rows(gw)
+    return box_chunks((gw.out_features, gw.in_features), [((lo, 0), view[:n])] if n else [],
+                      dtype=view.dtype, device=view.device)
+
+
+def shard_of_chunks(gw: GTPWeight, saved: LocalChunks, what: str) -> torch.Tensor:
+    """This rank's padded row shard (pad rows zero) from a :class:`~lowband.dcp_chunks.LocalChunks` holding
+    exactly its real rows (a :func:`local_rows` template filled by ``dcp.load``; no communication).
+
+    Raises:
+        ValueError: ``saved`` is not of the logical shape or does not hold exactly this rank's real rows;
+            the message starts with ``what``.
+    """
+    if tuple(saved.shape) != (gw.out_features, gw.in_features):
+        raise ValueError(f"{what} has shape {tuple(saved.shape)}, expected the logical "
+                         f"({gw.out_features}, {gw.in_features})")
+    lo, n = real_rows(gw)
+    device = saved.pieces[0][1].device if saved.pieces else saved.device
+    shard = torch.zeros(gw.shard_rows, gw.in_features, dtype=saved.dtype, device=device)
+    held = 0
+    for (r0, c0), piece in saved.pieces:
+        rows, cols = piece.shape
+        if r0 < lo or r0 + rows > lo + n:
+            held = -1
+            break
+        shard[r0 - lo:r0 - lo + rows, c0:c0 + cols].copy_(piece)
+        held += piece.numel()
+    if held != n * gw.in_features:
+        raise ValueError(f"{what} does not hold this rank's rows [{lo}, {lo + n}) (pass the template "
+                         "GTPStateLayout.state_dict() returned, filled by dcp.load, or a whole logical tensor)")
+    return shard
+
+
+def shard_of_saved(gw: GTPWeight, saved: torch.Tensor, what: str) -> torch.Tensor:
+    """This rank's padded row shard (pad rows zero) of ``saved``: a :class:`~lowband.dcp_chunks.LocalChunks`
+    (:func:`shard_of_chunks`) or a whole logical tensor (:func:`shard_of_logical`); no communication."""
+    if isinstance(saved, LocalChunks):
+        return shard_of_chunks(gw, saved, what)
+    return shard_of_logical(gw, saved, what)
+
+
 class GTPStateLayout:
-    """Logical (gathered) state of a GTP model and its optimizer (see the module docstring).
+    """State of a GTP model and its optimizer in logical shapes: rank-local rows (:meth:`state_dict`) or
+    gathered (:meth:`logical_state_dict`); see the module docstring.
 
     Args:
         model: the GTP model (FQNs as ``named_parameters()`` prints them).
@@ -99,35 +169,52 @@ class GTPStateLayout:
         prefix = f"state.{fqn}."
         return [k for k in optim if k.startswith(prefix)]
 
-    def state_dict(self) -> dict[str, Any]:
-        """``{"model": ..., "optim": ...}`` in logical shapes (collective; see the module docstring)."""
+    def _check_state(self, gw: GTPWeight, key: str, v: torch.Tensor) -> None:
+        if tuple(v.shape) != (gw.shard_rows, gw.in_features):
+            raise ValueError(f"GTPStateLayout: optimizer state {key} has shape {tuple(v.shape)}, not the "
+                             f"shard's ({gw.shard_rows}, {gw.in_features}); only elementwise optimizer "
+                             "state can be saved and resharded by rows")
+
+    def _convert(self, fn: Any) -> dict[str, Any]:
         model_sd, optim_sd = self._raw()
         for fqn, gw in self._gtp().items():
-            model_sd[fqn] = gather_logical(gw, model_sd[fqn])
+            model_sd[fqn] = fn(gw, model_sd[fqn])
             for key in self._state_keys(optim_sd, fqn):
                 v = optim_sd[key]
                 if not isinstance(v, torch.Tensor) or v.dim() == 0:
                     continue
-                if tuple(v.shape) != (gw.shard_rows, gw.in_features):
-                    raise ValueError(f"GTPStateLayout: optimizer state {key} has shape {tuple(v.shape)}, not the "
-                                     f"shard's ({gw.shard_rows}, {gw.in_features}); only elementwise optimizer "
-                                     "state can be gathered and resharded by rows")
-                optim_sd[key] = gather_logical(gw, v)
+                self._check_state(gw, key, v)
+                optim_sd[key] = fn(gw, v)
         return {"model": model_sd, "optim": optim_sd}
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"model": ..., "optim": ...}`` with every GTP tensor this rank's real rows as
+        :class:`~lowband.dcp_chunks.LocalChunks` of the logical shape, views into the live shards and
+        optimizer state (no communication; see the module docstring)."""
+        return self._convert(local_rows)
+
+    def logical_state_dict(self) -> dict[str, Any]:
+        """The keys of :meth:`state_dict` with every GTP tensor all-gathered to the whole logical tensor, a
+        copy (collective: one all-gather per GTP tensor over its GTP group, tag ``"gtp:state"``; every rank
+        holds them whole). For DiLoCo's checkpoint of a GTP inner and for inspection;
+        :meth:`load_state_dict` takes it."""
+        return self._convert(gather_logical)
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Slice every logical GTP tensor back into this rank's padded shard, then load (no collective)."""
+        """Copy this rank's real rows of every GTP tensor (from the ``LocalChunks`` of :meth:`state_dict`
+        filled by ``dcp.load``, or from a whole logical tensor: :meth:`logical_state_dict`, files of the
+        earlier gathered format) into its padded shard, pad rows zero, then load (no collective)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
         model_sd = dict(state["model"])
         optim_sd = dict(state.get("optim", {}))
         for fqn, gw in self._gtp().items():
-            model_sd[fqn] = shard_of_logical(gw, model_sd[fqn], f"GTP checkpoint: model.{fqn}")
+            model_sd[fqn] = shard_of_saved(gw, model_sd[fqn], f"GTP checkpoint: model.{fqn}")
             for key in self._state_keys(optim_sd, fqn):
                 v = optim_sd[key]
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    optim_sd[key] = shard_of_logical(gw, v, f"GTP checkpoint: optim.{key}")
+                    optim_sd[key] = shard_of_saved(gw, v, f"GTP checkpoint: optim.{key}")
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
         with self._local():
             if self.optimizer is None:

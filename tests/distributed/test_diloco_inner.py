@@ -60,7 +60,7 @@ def _worker(cfg: Config) -> dict:
     with d.paused():
         state = d.state_dict()  # global copies / outer momentum in logical (whole) shapes
         if cfg.diloco.inner == "gtp":
-            model = dict(st.inner.state_dict()["model"])  # GTP shards gathered to whole weights
+            model = dict(st.inner.logical_state_dict()["model"])  # GTP shards gathered to whole weights
         else:
             model = {n: p.detach().clone() for n, p in st.unwrapped().named_parameters()}
     shards = d.state_layout.weights if d.state_layout is not None else {}

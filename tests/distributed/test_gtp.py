@@ -655,7 +655,7 @@ def _train_snapshot(cfg, stop_after=None) -> dict:
 
     res = train(cfg, write_run_dir=False, log=False, stop_after=stop_after)
     strat = res.strategy
-    sd = strat.state_dict()  # logical (gathered) for gtp, full for ddp: the same keys and shapes
+    sd = getattr(strat, "logical_state_dict", strat.state_dict)()  # gathered for gtp, full for ddp: same keys, shapes
     return {"losses": {r["step"]: r["loss"] for r in res.rows if "loss" in r}, "start": res.start_step,
             "model": {k: v.detach().clone() for k, v in sd["model"].items()},
             "optim": {k: v.detach().clone() for k, v in sd["optim"].items() if isinstance(v, torch.Tensor)}}

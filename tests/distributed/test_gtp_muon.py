@@ -422,7 +422,7 @@ def _train(cfg, stop_after: int | None = None) -> dict:
     res = train(cfg, write_run_dir=False, log=False, stop_after=stop_after)
     s = res.strategy
     if cfg.strategy.name == "gtp":
-        sd = s.state_dict()
+        sd = s.logical_state_dict()  # whole tensors (gathered), the saved keys
         state = {f"{top}.{k}": (v.detach().clone() if isinstance(v, torch.Tensor) else v)
                  for top, sub in sd.items() for k, v in sub.items()}
         params = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}

@@ -204,7 +204,7 @@ def _gtp() -> dict:
     shard_linears(model, rt, include=lambda name, _m: name != "lane0")
     opt = _adamw(model.parameters())
     _train(model, opt, range(STEPS), sync=lambda: sync_replicated_grads(rt, model))
-    logical = GTPStateLayout(model, opt).state_dict()["model"]
+    logical = GTPStateLayout(model, opt).logical_state_dict()["model"]
     return {"params": {k: v.clone() for k, v in logical.items()},
             "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
             "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},

@@ -84,7 +84,7 @@ def _parity(tie: bool) -> dict:
     syncs = ledger.select(op="broadcast", tag="init_sync")
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     losses, norms = _train(model, rt, opt, cfg, range(1, STEPS + 1), MAX_NORM)
-    logical = GTPStateLayout(model, opt).state_dict()["model"]
+    logical = GTPStateLayout(model, opt).logical_state_dict()["model"]
     return {"losses": losses, "norms": norms, "params": {k: v.clone() for k, v in logical.items()},
             "tied_kept": model.lm_head.weight is model.transformer.wte.weight,
             "head_kind": type(model.lm_head).__name__, "wte_kind": type(model.transformer.wte).__name__,
@@ -248,8 +248,8 @@ def _dcp_save(path: str, tie: bool) -> dict:
     except GTPStateError as e:
         refused = str(e)
     layout = GTPStateLayout(model, opt)
-    sd = layout.state_dict()
-    dcp.save(sd, checkpoint_id=path)
+    dcp.save(layout.state_dict(), checkpoint_id=path)  # this rank's real rows of every GTP tensor
+    sd = layout.logical_state_dict()  # whole tensors (gathered), the saved keys
     return {"refused": refused, "state": {part: {k: (v.clone() if isinstance(v, torch.Tensor) else v)
                                                  for k, v in sd[part].items()} for part in sd}}
 
@@ -264,9 +264,9 @@ def _dcp_load(path: str, tie: bool) -> dict:
     dcp.load(sd, checkpoint_id=path)
     layout.load_state_dict(sd)
     loaded = {part: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in sub.items()}
-              for part, sub in layout.state_dict().items()}  # replicated entries alias the live parameters
+              for part, sub in layout.logical_state_dict().items()}  # replicated entries alias the live parameters
     losses, _ = _train(model, rt, opt, cfg, range(3, 3 + 2), MAX_NORM)
-    return {"loaded": loaded, "losses": losses, "params": layout.state_dict()["model"]}
+    return {"loaded": loaded, "losses": losses, "params": layout.logical_state_dict()["model"]}
 
 
 @pytest.mark.parametrize(("saved", "new"), [(2, 4), (4, 2)])

@@ -11,7 +11,15 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lowband.dcp_chunks import LocalChunks, flat_range_boxes, flat_range_pieces, local_chunks, split_box
+from lowband.dcp_chunks import (
+    LocalChunks,
+    box_chunks,
+    box_pieces,
+    flat_range_boxes,
+    flat_range_pieces,
+    local_chunks,
+    split_box,
+)
 
 
 def _covered(shape: tuple[int, ...], boxes) -> list[int]:
@@ -83,6 +91,20 @@ def test_pieces_are_views_and_to_full() -> None:
         t + 1
     with pytest.raises(ValueError, match="does not fit"):
         LocalChunks((3, 4), [((2, 0), torch.zeros(2, 4))], dtype=torch.float32, device="cpu")
+
+
+def test_box_chunks_cut_a_held_box_on_the_grid() -> None:
+    """A box a layout holds (GTP's real rows ``shard[:3]`` at row offset 6 of a [9, 7] weight) becomes views of
+    it cut by split_box; an empty box or list holds no piece."""
+    shard = torch.arange(4 * 7, dtype=torch.float32).view(4, 7)
+    t = box_chunks((9, 7), [((6, 0), shard[:3])], dtype=torch.float32, device="cpu", max_bytes=60)
+    assert [(o, tuple(v.shape)) for o, v in t.pieces] == [((6, 0), (2, 7)), ((8, 0), (1, 7))]
+    assert all(v.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr() for _o, v in t.pieces)
+    assert torch.equal(t.to_full()[6:9], shard[:3]) and not t.to_full()[:6].any()
+    assert box_pieces((6, 0), shard[:0]) == []
+    assert box_chunks((9, 7), [], dtype=torch.float64, device="cpu").pieces == []
+    with pytest.raises(ValueError, match="offsets"):
+        box_pieces((6,), shard)
 
 
 def test_single_process_save_and_load_round_trip(tmp_path: Path) -> None:

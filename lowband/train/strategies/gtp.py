@@ -24,10 +24,11 @@ whole matrices, ~1/gtp of the Muon state); everything else AdamW at ``optim.lr``
 Initial weights: broadcast from rank 0 over the world before sharding (ranks seeded differently
 agree). Tied weights (an output head tied to the token embedding) stay replicated.
 
-Checkpoints: :class:`lowband.parallel.gtp_state.GTPStateLayout`: saved gathered, in logical shapes,
-with the keys of ``single``/``ddp`` (format ``replicated``), so they reshard to any GTP degree and are
-interchangeable with those strategies. With Muon: :class:`lowband.parallel.gtp_muon_state.GTPMuonStateLayout`
-(format ``gtp-muon-v1``; logical shapes, reshards to any GTP degree, not loadable by ``single``/``ddp``).
+Checkpoints: :class:`lowband.parallel.gtp_state.GTPStateLayout`: in logical shapes, with the keys of
+``single``/``ddp`` (format ``replicated``), each rank writing only the real rows of its shards (rank-local
+chunks, no gather), so they reshard to any GTP degree and are interchangeable with those strategies. With
+Muon: :class:`lowband.parallel.gtp_muon_state.GTPMuonStateLayout` (format ``gtp-muon-v1``; logical shapes,
+rank-local too, reshards to any GTP degree, not loadable by ``single``/``ddp``).
 
 Inside a larger mesh (a DiLoCo replica): :meth:`GTPStrategy.setup_on_mesh` takes the mesh's ``gtp``
 and ``dp`` axes instead of building a mesh over the world.
@@ -199,7 +200,7 @@ class GTPStrategy(Strategy):
 
     # ------------------------------------------------------------------------------ checkpoints
     def checkpoint_format(self) -> str | None:
-        """``"replicated"`` (``gtp.optimizer = "adamw"``): the state is saved gathered, in the logical
+        """``"replicated"`` (``gtp.optimizer = "adamw"``): the state is saved in the logical
         (unpadded) shapes and under the same keys as ``single``/``ddp``, so a GTP checkpoint loads at any
         GTP degree and into those strategies, and theirs into GTP. ``"gtp-muon-v1"`` (``"muon"``):
         :class:`lowband.parallel.gtp_muon_state.GTPMuonStateLayout`, also logical and GTP-degree
@@ -213,13 +214,21 @@ class GTPStrategy(Strategy):
         return super().optimizer_state_bytes()
 
     def state_dict(self) -> dict[str, Any]:
-        """:meth:`lowband.parallel.gtp_state.GTPStateLayout.state_dict`: every GTP shard (and its AdamW
-        moments) gathered to the logical tensor (one all-gather each, tag ``gtp:state``; transiently
-        every rank holds the full weights and moments), under the keys of ``single``/``ddp``."""
+        """:meth:`lowband.parallel.gtp_state.GTPStateLayout.state_dict` (with Muon,
+        :class:`~lowband.parallel.gtp_muon_state.GTPMuonStateLayout`'s): every GTP shard (and its optimizer
+        state) as rank-local chunks of the logical tensor holding this rank's real rows (no communication),
+        under the keys of ``single``/``ddp``."""
         return self._layout.state_dict()
 
+    def logical_state_dict(self) -> dict[str, Any]:
+        """:meth:`state_dict`'s keys with whole tensors (collective over the GTP group, tag ``gtp:state``):
+        what DiLoCo's checkpoint of a GTP inner stores, and for inspection; :meth:`load_state_dict` takes it
+        too."""
+        return self._layout.logical_state_dict()
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Slice every logical GTP tensor back into this rank's padded shard, then load as usual."""
+        """Copy this rank's real rows of every GTP tensor (rank-local chunks filled by ``dcp.load``, or whole
+        logical tensors) into its padded shard, then load as usual."""
         self._layout.load_state_dict(state)
 
     def param_shapes(self) -> dict[str, tuple[list[int], str]]:
