@@ -28,12 +28,13 @@ from lowband.parallel.tensor import (
     TPStateError,
     mark_partition,
 )
+from lowband.parallel.tp_grads import TPGradEditError
 from lowband.parallel.tp_shard import shard_tp
 from lowband.parallel.unshard import unsharded_copy
 
 __all__ = ["ColumnParallelLinear", "GTPCollectiveError", "GTPEmbedding", "GTPLinear", "GTPOptions", "GTPRuntime",
-           "GTPStateError", "MeshShape", "ParallelMesh", "RowParallelLinear", "TPCollectiveError", "TPInputGather",
-           "TPStateError",
+           "GTPStateError", "MeshShape", "ParallelMesh", "RowParallelLinear", "TPCollectiveError", "TPGradEditError",
+           "TPInputGather", "TPStateError",
            "build_mesh", "check_module_state", "clip_grad_norm_", "global_grad_norm", "mark_partition",
            "plan_filter", "shard_embeddings", "shard_linears", "shard_tp", "sync_module_state",
            "sync_replicated_grads", "unsharded_copy"]

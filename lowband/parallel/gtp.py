@@ -109,6 +109,7 @@ from lowband.parallel.gtp_quant import (
     row_alignment,
 )
 from lowband.parallel.init_sync import check_module_state, sync_module_state
+from lowband.parallel.tp_grads import note_tp_grads
 from lowband.plan import ModelPlan, tied_names
 
 GRAD_MODES = ("mean", "sum")
@@ -870,11 +871,13 @@ def _queue_hook(runtime: GTPRuntime) -> Callable[[torch.Tensor], None]:
 
 def note_grads(params: Iterable[torch.Tensor]) -> None:
     """lowband code rewrote the ``.grad`` of ``params`` (a reduction, the global clip): refresh the
-    records :meth:`GTPRuntime.check_grad_edits` compares against. No collective."""
+    records :meth:`GTPRuntime.check_grad_edits` and :mod:`lowband.parallel.tp_grads` compare against.
+    No collective."""
     params = list(params)
     for rt in list(_RUNTIMES):
         if rt._grad_records:
             rt.record_grads(params)
+    note_tp_grads(params)
 
 
 _STAMP = "_lowband_gtp_shard"  # attribute of an optimizer state tensor of a GTP shard: (GTP rank, GTP size)

@@ -53,6 +53,7 @@ from torch import nn
 
 from lowband.comm import Comm
 from lowband.comm.opaque import opaque
+from lowband.parallel.tp_grads import track
 
 _LOCAL_STATE = [0]
 
@@ -132,10 +133,14 @@ def _check_split(what: str, features: int, size: int) -> None:
 
 def mark_partition(param: nn.Parameter, partition_dim: int | None, tp_comm: Comm,
                    full_shape: tuple[int, ...]) -> nn.Parameter:
-    """Attach the TP layout attributes (``partition_dim``, ``tp_comm``, ``full_shape``) to ``param``."""
+    """Attach the TP layout attributes (``partition_dim``, ``tp_comm``, ``full_shape``) to ``param``; a
+    slice (``partition_dim`` not ``None``) gets its gradient watched for edits that make TP ranks step
+    differently (:mod:`lowband.parallel.tp_grads`)."""
     param.partition_dim = partition_dim
     param.tp_comm = tp_comm
     param.full_shape = tuple(full_shape)
+    if partition_dim is not None:
+        track(param)
     return param
 
 

@@ -62,7 +62,8 @@ def _check_linear(model: nn.Module, pl: ParallelLinear, tp: int) -> nn.Linear:
 
 
 def shard_tp(model: nn.Module, plan: ModelPlan, comm: Comm, *, init_sync: bool = True,
-             sync_comm: Comm | None = None) -> dict[str, nn.Module]:
+             sync_comm: Comm | None = None, check_grad_edits: bool = True,
+             share_nonfinite: bool = True) -> dict[str, nn.Module]:
     """Replace the plan's parallel linears of ``model`` (in place) by TP layers over ``comm``.
 
     Args:
@@ -74,6 +75,15 @@ def shard_tp(model: nn.Module, plan: ModelPlan, comm: Comm, *, init_sync: bool =
             checksum exchange and raise ``ValueError`` on every rank if they differ.
         sync_comm: the group for the agreement (default ``comm``; pass the world's ``Comm`` when
             data parallelism runs across TP groups).
+        check_grad_edits: ``True`` (default): ``optimizer.step()`` raises
+            :class:`~lowband.parallel.tp_grads.TPGradEditError` when code outside lowband changed a TP
+            slice's gradient after backward (``torch.nn.utils.clip_grad_norm_`` clips each TP rank by
+            the norm of its own slices: use :func:`lowband.parallel.clip_grad_norm_`); ``False`` allows
+            elementwise edits that are the same on every rank (``clip_grad_value_``, a scale).
+        share_nonfinite: ``True`` (default): at the end of every backward a TP slice gradient holding
+            inf/NaN on one rank is made to hold NaN on every rank of the TP group (one all-reduce of a
+            flag per slice, ``tp:nonfinite``), so ``torch.amp.GradScaler`` skips alike, as under DDP;
+            ``False`` skips the scan and the collective (:mod:`lowband.parallel.tp_grads`).
 
     Returns:
         ``{module path: TP layer}``.
@@ -108,6 +118,10 @@ def shard_tp(model: nn.Module, plan: ModelPlan, comm: Comm, *, init_sync: bool =
             layer = RowParallelLinear.from_dense(dense, comm)
         layer.weight.requires_grad_(dense.weight.requires_grad)
         layer.tp_name = pl.module  # named in the TP agreement error (lowband.parallel.tensor)
+        for pname, p in layer.named_parameters(recurse=False):
+            p.tp_param_name = f"{pl.module}.{pname}"  # named in TPGradEditError (lowband.parallel.tp_grads)
+            p.tp_check_grad_edits = check_grad_edits
+            p.tp_share_nonfinite = share_nonfinite
         layer.weight.tp_sections = pl.sections if pl.style == "column" else 1
         if dense.bias is not None:
             layer.bias.requires_grad_(dense.bias.requires_grad)

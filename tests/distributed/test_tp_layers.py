@@ -50,8 +50,10 @@ def _mlp_matches_dense(dtype_name: str) -> None:
     torch.testing.assert_close(row.bias.grad, fc2.bias.grad, **tol)
     if n > 1:
         esize = x.element_size()
-        assert ledger.count() == 2
+        assert ledger.count() == 3
         assert ledger.count("all_reduce", tag="tp:col_dx") == 1
+        # end of backward: one inf/NaN flag per TP slice (col weight and bias, row weight; lowband.parallel.tp_grads)
+        assert [r.numel for r in ledger.select(op="all_reduce", tag="tp:nonfinite")] == [3]
         # the activation plus the SITE_BITS-element layer signature (the TP agreement check)
         numel = 3 * 5 * 6 + SITE_BITS
         assert ledger.wire_bytes("all_reduce", tag="tp:row_y") == 2 * (n - 1) * numel * esize // n
@@ -72,7 +74,9 @@ def _mlp_matches_dense(dtype_name: str) -> None:
     torch.testing.assert_close(row_s.weight.grad, fc2.weight.grad.chunk(n, 1)[rank], **tol)
     if n > 1:
         # fwd: gather_y + row_y; bwd: row_dx (all-gather) + col_dx
-        assert ledger.count("all_gather") == 2 and ledger.count("all_reduce") == 2
+        assert ledger.count("all_gather") == 2 and ledger.count("all_reduce") == 3
+        # the flags cover every TP slice on this TP group: the first two layers' three and these three
+        assert [r.numel for r in ledger.select(op="all_reduce", tag="tp:nonfinite")] == [6]
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

@@ -1,0 +1,187 @@
+"""What torch code does to tensor-parallel gradients between backward and ``optimizer.step()``.
+
+A TP parameter (``param.partition_dim`` not ``None``, :func:`~lowband.parallel.tensor.mark_partition`)
+holds one rank's slice of a dense weight, and its ``.grad`` the slice of the dense gradient. Code that
+reduces over "all gradients" per rank then reduces over *different* slices on every TP rank, and the
+ranks step differently while every value still looks plausible. Two such habits of a DDP script, and
+what this module does about each (no user call needed):
+
+**Norm clipping.** ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` clips each TP rank
+by the norm of its own slices. It is refused at the next ``optimizer.step()``
+(:class:`TPGradEditError`, nothing stepped); the exact call is :func:`lowband.parallel.clip_grad_norm_`
+(the norm of the whole logical gradient, as under DDP):
+
+* a post-accumulate-grad hook on every TP slice records ``(.grad, .grad._version)`` each time autograd
+  accumulates into it (by weak reference: a record never keeps a gradient alive);
+* lowband's own edits (the data-parallel :func:`~lowband.parallel.gtp.reduce_grads`,
+  :func:`lowband.parallel.clip_grad_norm_`, the inf/NaN sharing below) refresh the record
+  (:func:`note_tp_grads`);
+* a global optimizer step pre-hook raises when a TP slice the optimizer holds has a ``.grad`` that is
+  not the recorded tensor at the recorded version (changed in place or replaced outside lowband); a
+  step post-hook forgets the records of the parameters it stepped (a later ``.grad`` that no backward
+  wrote is not an edit of one).
+
+``zero_grad()`` (either mode), ``torch.amp.GradScaler``'s ``unscale_`` (its kernel does not bump the
+version) and an optimizer skipping a parameter with no gradient pass. Elementwise edits that are the
+same on every rank (``torch.nn.utils.clip_grad_value_``, a uniform scale) are exact under TP but are
+refused too: ``shard_tp(..., check_grad_edits=False)`` (or ``param.tp_check_grad_edits = False`` on a
+layer built directly) allows them. Not caught: edits that keep both the tensor and its version
+(``.data`` writes).
+
+**Overflow under a GradScaler.** Under DDP an inf/NaN anywhere in a gradient reaches every rank through
+the gradient all-reduce, so ``GradScaler.unscale_`` finds it on every rank and all of them skip the step
+and back off the scale. An overflow confined to one TP rank's slice would be found there only (that
+rank skips, its peers step). At the end of every backward that accumulated into a TP slice, each rank
+flags its slices whose gradient holds inf/NaN (one inf-norm read of each slice gradient) and the flags
+are max-reduced over the TP group (one all-reduce of one float32 per TP slice, tag ``tp:nonfinite``, on
+the TP layers' own process group, after their last backward collective); a slice flagged on some rank
+and finite here gets NaN written into its first element, so every rank's scaler skips alike.
+``shard_tp(..., share_nonfinite=False)`` (or ``param.tp_share_nonfinite = False``) leaves a slice out
+(then no collective runs if none is left). Without a GradScaler a non-finite gradient makes the
+update non-finite anyway; the NaN lands in one more element of it.
+
+GTP shards (``param.gtp``) are left to GTP's own check and sharing
+(:meth:`lowband.parallel.gtp.GTPRuntime.check_grad_edits`, ``share_nonfinite``); a TP group of one
+rank is left alone. Every rank of a TP group must run the same TP layers in the same backward (as the
+TP layers' own collectives already require). Imports nothing else from lowband.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
+
+
+class TPGradEditError(RuntimeError):
+    """Code outside lowband changed a tensor-parallel gradient between backward and ``optimizer.step()``."""
+
+
+# Keyed by identity (a tensor's == is elementwise): param -> (weak reference to the .grad autograd or
+# lowband wrote, that tensor's _version); and the parameters that carry the hook.
+_RECORDS = WeakIdKeyDictionary()
+_HOOKED = WeakIdKeyDictionary()
+# id(tp_comm) -> (tp_comm, weak references to its TP slices in creation order: the same on every rank)
+_BY_COMM: dict[int, tuple[object, list[weakref.ref]]] = {}
+_FIRED: dict[int, None] = {}  # the TP groups whose slices autograd accumulated into in this backward
+_QUEUED = [-1]  # the graph task whose end runs _share_nonfinite
+
+
+def _checked(p: torch.Tensor) -> bool:
+    if getattr(p, "partition_dim", None) is None or getattr(p, "gtp", None) is not None:
+        return False
+    comm = getattr(p, "tp_comm", None)
+    return comm is not None and comm.size > 1
+
+
+def _record(p: torch.Tensor) -> None:
+    g = p.grad
+    if g is None:
+        _RECORDS.pop(p, None)
+    else:
+        _RECORDS[p] = (weakref.ref(g), g._version)
+
+
+def _after_accumulate(p: torch.Tensor) -> None:
+    """Post-accumulate-grad hook: autograd just wrote ``p.grad``."""
+    if not _checked(p):
+        return
+    _record(p)
+    if getattr(p, "tp_share_nonfinite", True):
+        _FIRED[id(p.tp_comm)] = None
+        task = torch._C._current_graph_task_id()
+        if _QUEUED[0] != task:
+            _QUEUED[0] = task
+            torch.autograd.Variable._execution_engine.queue_callback(_share_nonfinite)
+
+
+@torch.no_grad()
+def _share_nonfinite() -> None:
+    """End of a backward: make a TP slice gradient holding inf/NaN on some rank of its TP group show
+    it on every rank (see the module docstring). One all-reduce per TP group that got gradients."""
+    fired = set(_FIRED)
+    _FIRED.clear()
+    _QUEUED[0] = -1
+    for key, (comm, refs) in list(_BY_COMM.items()):  # creation order: the same on every rank
+        if key not in fired:
+            continue
+        params = [p for p in (r() for r in refs) if p is not None and getattr(p, "tp_share_nonfinite", True)]
+        if not params:
+            continue
+        device = params[0].device
+        mine = torch.zeros(len(params), dtype=torch.float32, device=device)
+        idx = [i for i, p in enumerate(params) if p.grad is not None]
+        if idx:
+            bad = [~torch.isfinite(torch.linalg.vector_norm(params[i].grad, math.inf)) for i in idx]
+            mine[idx] = torch.stack(bad).to(device=device, dtype=torch.float32)
+        anywhere = mine.clone()
+        comm.all_reduce(anywhere, "max", tag="tp:nonfinite")
+        for p, any_rank, here in zip(params, anywhere.tolist(), mine.tolist(), strict=True):
+            g = p.grad
+            if any_rank and not here and g is not None:
+                g[(0,) * g.dim()] = math.nan
+                _record(p)
+
+
+def track(param: torch.Tensor) -> None:
+    """Watch the gradient of a TP slice (idempotent; a parameter that does not require grad is skipped).
+    Called by :func:`~lowband.parallel.tensor.mark_partition`, in the same order on every TP rank."""
+    if param in _HOOKED or not param.requires_grad or not param.is_leaf:
+        return
+    param.register_post_accumulate_grad_hook(_after_accumulate)
+    _HOOKED[param] = True
+    comm = param.tp_comm
+    for key in [k for k, (_, refs) in _BY_COMM.items() if all(r() is None for r in refs)]:
+        del _BY_COMM[key]  # a model (and its process group) gone: forget it
+    _BY_COMM.setdefault(id(comm), (comm, []))[1].append(weakref.ref(param))
+
+
+def note_tp_grads(params: Iterable[torch.Tensor]) -> None:
+    """lowband code rewrote the ``.grad`` of ``params``: make their current gradients the recorded ones."""
+    for p in params:
+        if p in _HOOKED and _checked(p):
+            _record(p)
+
+
+def _name(p: torch.Tensor) -> str:
+    name = getattr(p, "tp_param_name", None)
+    what = f"{name!r}" if name else f"of dense shape {tuple(getattr(p, 'full_shape', p.shape))}"
+    return f"the tensor-parallel parameter {what} (partition_dim={p.partition_dim})"
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+def _step_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if not _RECORDS:
+        return
+    for p in _optimizer_params(optimizer):
+        rec = _RECORDS.get(p)
+        g = p.grad
+        if rec is None or g is None or not getattr(p, "tp_check_grad_edits", True):
+            continue
+        if rec[0]() is not g or g._version != rec[1]:
+            raise TPGradEditError(
+                f"tensor parallelism: the gradient of {_name(p)} was changed after backward by code outside "
+                "lowband (e.g. torch.nn.utils.clip_grad_norm_, which clips each TP rank by the norm of its own "
+                "slices, so TP ranks step differently); use lowband.parallel.clip_grad_norm_(model, max_norm) "
+                "(the global norm, as under DDP), or shard_tp(..., check_grad_edits=False) for elementwise "
+                "edits that are the same on every rank (clip_grad_value_, a scale)")
+
+
+def _step_post_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if not _RECORDS:
+        return
+    for p in _optimizer_params(optimizer):
+        _RECORDS.pop(p, None)
+
+
+register_optimizer_step_pre_hook(_step_pre_hook)
+register_optimizer_step_post_hook(_step_post_hook)
