@@ -31,8 +31,9 @@ import torch.distributed as dist
 
 from lowband.comm import Comm
 from lowband.diloco import StreamingDiLoCo, replica_mesh
-from lowband.optim import ShardedAdamW
+from lowband.optim import ShardedAdamW, ShardedMuon
 from lowband.optim.gtp_muon import GTPMuon
+from lowband.optim.sparse_rows import sparse_tables_from_plan
 from lowband.parallel import (
     GTPOptions,
     GTPRuntime,
@@ -44,6 +45,7 @@ from lowband.parallel import (
 )
 from lowband.parallel.gtp import is_gtp_param, reduce_grads
 from lowband.parallel.mesh import build_mesh
+from lowband.plan import muon_split
 from lowband.testing import run_ranks
 from lowband.train.config import Config
 from tests.external.outside_gpt import OutsideConfig, outside_plan, random_batch, seeded_model
@@ -67,6 +69,16 @@ def _build(component: str, cfg: OutsideConfig):
             for p in model.parameters():
                 Comm().broadcast(p.data, src=0, tag="user-init")
         opt = ShardedAdamW(model.parameters(), lr=LR, weight_decay=WD, comm=Comm(), module=model)
+    elif component in ("sharded_muon", "sparse"):  # init_sync: rank 0's weights
+        if component == "sparse":  # wte's gradient row-sparse to the rows' owners (untied head)
+            tables = sparse_tables_from_plan(model, ["wte"], plan=outside_plan(model))
+            opt = ShardedAdamW(model.parameters(), lr=LR, weight_decay=WD, comm=Comm(), module=model,
+                               sparse_tables=tables, sparse_mode="sparse")
+            fwd = _ObserveTokens(model, opt)
+        else:
+            muon, adam = muon_split(model, outside_plan(model))
+            opt = ShardedMuon(muon, adam, lr=0.02, momentum=0.95, weight_decay=WD, ns_dtype=torch.float64,
+                              adamw_lr=LR, adamw_weight_decay=WD, comm=Comm(), module=model)
     elif component in ("gtp", "gtp_muon"):
         rt = GTPRuntime(build_mesh(gtp=dist.get_world_size()).gtp, GTPOptions())
         shard_embeddings(model, rt)
@@ -97,6 +109,18 @@ def _build(component: str, cfg: OutsideConfig):
     else:
         raise AssertionError(component)
     return model, opt, fwd, after
+
+
+class _ObserveTokens(torch.nn.Module):
+    """The sparse-table script's forward: ``opt.observe_tokens(x)`` (eager), then the model."""
+
+    def __init__(self, model: torch.nn.Module, opt: ShardedAdamW) -> None:
+        super().__init__()
+        self.model, self.opt = model, opt
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor):
+        self.opt.observe_tokens(x)
+        return self.model(x, y)
 
 
 def _train(component: str, mode: str, backend: str, tie: bool) -> dict:
@@ -158,6 +182,7 @@ def _check(res: list[dict], tol: float, ranks_equal: bool = True) -> None:
 
 CASES = [
     ("sharded_adamw", "whole", 2), ("sharded_adamw", "block", 2),
+    ("sharded_muon", "block", 2), ("sparse", "whole", 2),
     ("gtp", "whole", 2), ("gtp", "block", 2), ("gtp", "block", 4),
     ("gtp_muon", "whole", 2), ("gtp_muon", "block", 2),
     ("tp", "whole", 2), ("tp", "block", 2),
@@ -168,7 +193,8 @@ CASES = [
 @pytest.mark.parametrize(("component", "mode", "world"), CASES)
 def test_compiled_equals_eager(component: str, mode: str, world: int):
     """aot_eager, float64: compiled equals eager to 1e-10, ranks bitwise equal, no recompile after step 1."""
-    tie = component not in ("tp",)  # TP's plan takes the head untied (tied: replicated, also fine)
+    tie = component not in ("tp", "sparse")  # TP's plan takes the head untied (tied: replicated, also fine);
+    # a sparse table must be untied
     res = run_ranks(_eager_and_compiled, world, component, mode, "aot_eager", tie, timeout=TIMEOUT)
     _check(res, TOL, ranks_equal=component != "diloco")  # DiLoCo replicas differ between syncs, by design
 
