@@ -311,6 +311,132 @@ def reference_all_reduce(inputs: Sequence[torch.Tensor], codec: Codec, op: str =
     return out[:numel].clone()
 
 
+class CodecReduceScatterHandle:
+    """Completion handle of :func:`codec_reduce_scatter`: :meth:`wait` waits for the all-to-all, then
+    decodes and sums the received chunks into the output (once) and returns it."""
+
+    def __init__(self, first: CommHandle, finish) -> None:
+        self._first = first
+        self._finish = finish
+        self._done = False
+        self.result: torch.Tensor | None = None
+
+    def is_completed(self) -> bool:
+        return self._done or self._first.is_completed()
+
+    def wait(self) -> torch.Tensor:
+        if not self._done:
+            self._first.wait()
+            self.result = self._finish()
+            self._done = True
+        return self.result  # type: ignore[return-value]
+
+
+def codec_reduce_scatter(comm: Comm, output: torch.Tensor, input: torch.Tensor, codec: Codec, *,
+                         op: str = "avg", async_op: bool = False, tag: str = "") -> CodecReduceScatterHandle:
+    """``output`` (this rank's chunk) = reduction over ranks of chunk ``rank`` of ``input``, with
+    ``codec`` on the wire: the first half of :func:`codec_all_reduce`.
+
+    ``input`` holds ``N`` equal contiguous chunks of ``output.numel()`` elements (any float dtype);
+    each chunk is zero-padded to a multiple of the codec's block size and encoded, **one all-to-all**
+    sends chunk ``j`` to rank ``j``, and the owner decodes the ``N`` chunks it received and sums them in
+    rank order in fp32 (fp64 for a fp64 output), divided by ``N`` for ``avg``, into ``output``. Bytes
+    per rank: ``(N-1)/N`` of the encoded buffer, ``N * encoded_nbytes(chunk)``; one ``all_to_all``
+    ledger record with ``tag``. With one rank nothing is sent, but the values still go through the
+    codec, so the numerics do not depend on the world size. :func:`reference_reduce_scatter` computes
+    the same in one process.
+
+    Args:
+        comm: the group.
+        output: contiguous, this rank's reduced chunk (written when the handle is waited for).
+        input: contiguous, ``N * output.numel()`` elements (read before this returns: free to reuse).
+        codec: the wire format (:func:`get_codec`).
+        op: ``"sum"`` or ``"avg"``.
+        async_op: return before the all-to-all completes.
+        tag: ledger tag.
+    """
+    if op not in ("sum", "avg"):
+        raise ValueError(f"codec_reduce_scatter: op {op!r} not in ('sum', 'avg')")
+    n = comm.size
+    shard = output.numel()
+    if input.numel() != n * shard:
+        raise ValueError(f"codec_reduce_scatter: input has {input.numel()} elements, expected {n} x {shard} "
+                         "(group size x output)")
+    if not (input.is_contiguous() and output.is_contiguous()) or not input.is_floating_point():
+        raise ValueError("codec_reduce_scatter: input and output must be contiguous float tensors")
+    send = codec.encode(_padded_chunks(input.view(n, shard), codec))
+    chunk = _block_multiple(shard, codec)
+    recv = torch.empty_like(send)
+    first = comm.all_to_all(recv, send, async_op=True, tag=tag)
+
+    def finish() -> torch.Tensor:
+        parts = codec.decode(recv, chunk, _acc_dtype(output.dtype))
+        acc = parts[0].clone()
+        for i in range(1, n):
+            acc.add_(parts[i])
+        if op == "avg":
+            acc.div_(n)
+        output.view(-1).copy_(acc[:shard])
+        return output
+
+    handle = CodecReduceScatterHandle(first, finish)
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+def _block_multiple(numel: int, codec: Codec) -> int:
+    b = codec.block_size
+    return max(b, -(-numel // b) * b)
+
+
+def _padded_chunks(chunks: torch.Tensor, codec: Codec) -> torch.Tensor:
+    """``(N, shard)`` -> ``(N, chunk)`` zero-padded to a multiple of the codec's block size."""
+    n, shard = chunks.shape
+    chunk = _block_multiple(shard, codec)
+    if chunk == shard:
+        return chunks
+    padded = torch.zeros(n, chunk, dtype=chunks.dtype, device=chunks.device)
+    padded[:, :shard].copy_(chunks)
+    return padded
+
+
+def reference_reduce_scatter(inputs: Sequence[torch.Tensor], codec: Codec, op: str = "avg",
+                             out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Single-process reference of :func:`codec_reduce_scatter`: every rank's output chunk.
+
+    Args:
+        inputs: rank-ordered 1-D tensors of ``N * shard`` elements each.
+        codec: the wire format.
+        op: ``"sum"`` or ``"avg"``.
+        out_dtype: the outputs' dtype (default the inputs').
+    """
+    n = len(inputs)
+    shard = inputs[0].numel() // n
+    out_dtype = out_dtype or inputs[0].dtype
+    chunk = _block_multiple(shard, codec)
+    acc_dtype = _acc_dtype(out_dtype)
+    outs = []
+    for j in range(n):
+        acc = None
+        for x in inputs:
+            enc = codec.encode(_padded_chunks(x.reshape(n, shard)[j:j + 1], codec))
+            dec = codec.decode(enc, chunk, acc_dtype)[0]
+            acc = dec.clone() if acc is None else acc.add_(dec)
+        assert acc is not None
+        if op == "avg":
+            acc.div_(n)
+        outs.append(acc[:shard].to(out_dtype))
+    return outs
+
+
+def reduce_scatter_wire_bytes(codec: Codec, shard: int, n: int) -> int:
+    """Ledger wire bytes per rank of one :func:`codec_reduce_scatter` of ``n`` chunks of ``shard``."""
+    if n == 1:
+        return 0
+    return (n - 1) * codec.encoded_nbytes(_block_multiple(shard, codec))
+
+
 WireCodec = Codec | MessageCodec
 
 

@@ -97,6 +97,7 @@ import torch
 from torch import nn
 
 from lowband.comm import Comm, CommHandle
+from lowband.comm.codecs import DEFAULT_BLOCK_SIZE, Codec, codec_reduce_scatter, get_codec
 from lowband.optim.adamw import adamw_update_, validate_adamw_hparams
 from lowband.optim.buckets import (
     ParamSpec,
@@ -122,6 +123,7 @@ _PROBE = 64  # elements of each gradient compared at step() to spot GradScaler's
 _LEVEL_USED, _LEVEL_GRAD_CHANGED, _LEVEL_STORAGE = 1, 2, 3  # per-member flag levels (MAX-reduced)
 LR_RATIO_RTOL = 1e-6  # a schedule multiplies every lr by one factor: ratios agree to rounding (~1e-16)
 GRAD_WIRE_DTYPES = (None, torch.float32, torch.bfloat16)
+GRAD_CODECS = ("fp8", "int8")  # grad_wire_dtype names sent block-scaled (lowband.comm.codecs)
 _WIRE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
                "bfloat16": torch.bfloat16}
 
@@ -239,7 +241,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         bucket_mb: unit size cap in MiB (> 0).
         grad_wire_dtype: ``None`` (parameter dtype), ``torch.float32`` or ``torch.bfloat16`` (or the
             names ``"fp32"``, ``"bf16"``): the dtype gradients travel in; the owner always
-            accumulates in fp32 (fp64 for fp64 parameters).
+            accumulates in fp32 (fp64 for fp64 parameters). ``"fp8"`` (e4m3) or ``"int8"``: block-scaled
+            (one fp32 scale per ``grad_block_size`` elements, each rank's chunk padded to a multiple of
+            it), sent by one all-to-all per unit and summed in fp32 by the owner
+            (:func:`lowband.comm.codecs.codec_reduce_scatter`; error bound per element in
+            :mod:`lowband.comm.codecs`); sparse-table units keep the parameter dtype.
         param_wire_dtype: same choices, for the parameter all-gather. ``bf16`` with fp32 parameters
             halves the gather bytes: the owner keeps an fp32 master copy of its slice
             (``state["master"]``, 1/N of the parameters) and every rank, the owner included, computes
@@ -253,6 +259,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         sparse_count_comm: gloo :class:`Comm` for their count all-gather (default ``comm``).
         init_sync: ``True`` (broadcast from rank 0), ``False``, or ``"verify"`` (see above).
         lr_ratio_check: refuse a step whose Muon/AdamW lrs lost their construction ratio (see above).
+        state_timeout: seconds a state collective waits for the other ranks (see above).
+        grad_block_size: elements per fp32 scale of an ``"fp8"``/``"int8"`` gradient (a multiple of 4).
 
     Raises:
         ValueError: bad hyperparameters, a parameter in two groups, ``bucket_mb <= 0``, Muon on a
@@ -273,7 +281,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  param_gather: str = "step", sparse_tables: Iterable[SparseTable] = (),
                  sparse_mode: str = "auto", sparse_count_comm: Comm | None = None,
                  init_sync: bool | str = True, lr_ratio_check: bool = True,
-                 state_timeout: float = 60.0) -> None:
+                 state_timeout: float = 60.0, grad_block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         if not (init_sync is True or init_sync is False or init_sync == "verify"):
             raise ValueError(f"ShardedOptimizer: init_sync={init_sync!r} is not allowed; allowed: True "
                              "(broadcast from rank 0), False (trust the caller), 'verify' (checksum, raise)")
@@ -281,11 +289,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 or not math.isfinite(bucket_mb):
             raise ValueError(f"ShardedOptimizer: bucket_mb must be a positive number of MiB "
                              f"(got {bucket_mb!r})")
+        grad_codec: Codec | None = None
+        if isinstance(grad_wire_dtype, str) and grad_wire_dtype in GRAD_CODECS:
+            if isinstance(grad_block_size, bool) or not isinstance(grad_block_size, int) \
+                    or grad_block_size <= 0 or grad_block_size % 4:
+                raise ValueError(f"ShardedOptimizer: grad_block_size must be a positive multiple of 4, got "
+                                 f"{grad_block_size!r}")
+            grad_codec = get_codec(grad_wire_dtype, block_size=grad_block_size)
+            grad_wire_dtype = None
         if isinstance(grad_wire_dtype, str) and grad_wire_dtype in _WIRE_NAMES:
             grad_wire_dtype = _WIRE_NAMES[grad_wire_dtype]
         if grad_wire_dtype not in GRAD_WIRE_DTYPES:
             raise ValueError(f"ShardedOptimizer: grad_wire_dtype={grad_wire_dtype!r} is not allowed; "
-                             "allowed: None (parameter dtype), torch.float32 ('fp32'), torch.bfloat16 ('bf16')")
+                             "allowed: None (parameter dtype), torch.float32 ('fp32'), torch.bfloat16 ('bf16'), "
+                             "'fp8' or 'int8' (block-scaled, grad_block_size elements per fp32 scale)")
         if isinstance(param_wire_dtype, str) and param_wire_dtype in _WIRE_NAMES:
             param_wire_dtype = _WIRE_NAMES[param_wire_dtype]
         if param_wire_dtype not in GRAD_WIRE_DTYPES:
@@ -323,6 +340,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._state_comm = self.comm.private("sharded_state", timeout=timedelta(seconds=self.state_timeout))
         self.bucket_mb = float(bucket_mb)
         self.grad_wire_dtype = grad_wire_dtype
+        self.grad_codec = grad_codec  # fp8/int8 gradients: codec_reduce_scatter (lowband.comm.codecs)
         self.param_wire_dtype = param_wire_dtype
         self.param_gather = param_gather
         self.require_backward_grad_sync = True
@@ -336,7 +354,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         for gi, g in enumerate(self.param_groups) for p in g["params"]],
                        [repr(sorted((k, repr(v)) for k, v in g.items() if k != "params"))
                         for g in self.param_groups],
-                       self.bucket_mb, str(grad_wire_dtype), str(param_wire_dtype), param_gather,
+                       self.bucket_mb, repr(grad_codec) if grad_codec else str(grad_wire_dtype),
+                       str(param_wire_dtype), param_gather,
                        [(t.name, tuple(t.param.shape), t.hash, t.vocab_size) for t in sparse_tables], sparse_mode,
                        init_sync, self.lr_ratio_check, self.state_timeout)
         self.comm.agree(fingerprint, "ShardedOptimizer parameters (group, algorithm, shape, dtype, "
@@ -589,6 +608,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if ui in self._sparse:  # row-sparse exchange of an embedding table (lowband.optim.sparse_rows)
             m = unit.layout.members[0]
             unit.rs = self._sparse[ui].launch(unit.grad_shard, unit.grad_buf[:m.numel].view(m.shape))
+        elif self.grad_codec is not None:  # block-scaled fp8/int8: all-to-all, fp32 sums at the owner
+            unit.rs = codec_reduce_scatter(self.comm, unit.grad_shard, unit.grad_buf, self.grad_codec, op="avg",
+                                           async_op=True, tag=f"grad:{unit.layout.kind}")
         else:
             unit.rs = self.comm.reduce_scatter(unit.grad_shard, unit.grad_buf, op="avg", wire_dtype=wire,
                                                async_op=True, tag=f"grad:{unit.layout.kind}")
