@@ -127,7 +127,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def contender_list(text: str) -> list[str]:
     from lowband.bench.link_contenders import CONTENDERS, resolve
 
-    names = list(CONTENDERS) if text == "all" else [c.strip() for c in text.split(",") if c.strip()]
+    names = ([n for n, spec in CONTENDERS.items() if spec.in_all] if text == "all"
+             else [c.strip() for c in text.split(",") if c.strip()])
     for n in names:
         resolve(n)  # raises naming the allowed ones
     return [BASELINE] + [n for n in names if n != BASELINE]

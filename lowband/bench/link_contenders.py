@@ -94,12 +94,14 @@ class LinkSpec:
             returning them.
         builder: ``(cfg, env) -> Trainee`` for contenders that are not trainer strategies.
         note: one line for the report (what this contender is).
+        in_all: part of ``--contenders all`` (the default); ``False``: run only when named.
     """
 
     strategy: str = ""
     overrides: Overrides | Callable[[LinkTopo], Overrides] = field(default_factory=dict)
     builder: Callable[[Config, DistEnv], Trainee] | None = None
     note: str = ""
+    in_all: bool = True
 
     def config(self, base: Config, topo: LinkTopo) -> Config:
         cfg = copy.deepcopy(base)
@@ -185,6 +187,10 @@ CONTENDERS: dict[str, LinkSpec] = {
     "sharded-adamw-bf16": LinkSpec("sharded-adamw", {"strategy.grad_wire_dtype": "bfloat16",
                                                      "sharded.param_wire_dtype|strategy.param_wire_dtype": "bfloat16"},
                                    note="lowband sharded AdamW, bf16 gradients and parameters on the wire"),
+    "sharded-adamw-fp8": LinkSpec("sharded-adamw", {"strategy.grad_wire_dtype": "fp8",
+                                                    "sharded.param_wire_dtype|strategy.param_wire_dtype": "bfloat16"},
+                                  note="lowband sharded AdamW, block-scaled fp8 gradients, bf16 parameters",
+                                  in_all=False),
     "sharded-muon": LinkSpec("sharded-muon", note="lowband sharded Muon (hidden matrices) + AdamW"),
     "sharded-adamw-sparse": LinkSpec("sharded-adamw", {"sparse.tables|strategy.sparse_embeddings": ["bigram"],
                                                        "sparse.mode|strategy.sparse_mode": "auto"},

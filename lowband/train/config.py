@@ -173,7 +173,9 @@ class StrategyConfig:
     bucket_mb: float = 25.0
     """Gradient bucket size in MB (ddp, sharded-*, diloco's inner data parallelism)."""
     grad_wire_dtype: str = "float32"
-    """Gradients travel as float32 | bfloat16 (the reduction accumulates in fp32): ddp, sharded-*, gtp, diloco."""
+    """Gradients travel as float32 | bfloat16 (the reduction accumulates in fp32): ddp, sharded-*, gtp, diloco;
+    fp8 (e4m3, one fp32 scale per 256 elements, one all-to-all per bucket, fp32 sums at the owner): sharded-*
+    and diloco.inner = sharded-* only."""
     find_unused_parameters: bool = False
     """ddp (and diloco.inner = ddp): torch DDP's find_unused_parameters, needed by a model with parameters that
     get no gradient on some steps (branches, MoE routing, early exits): such a parameter is averaged with
@@ -369,7 +371,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.schedule": ("cosine", "linear", "constant"),
     "optim.muon_ns_method": ("ns5", "polar_express"),
     "optim.muon_ns_dtype": ("auto", "bfloat16", "float32", "float64"),
-    "strategy.grad_wire_dtype": ("float32", "bfloat16"),
+    "strategy.grad_wire_dtype": ("float32", "bfloat16", "fp8"),
     "diloco.inner": ("ddp", "sharded-adamw", "sharded-muon", "gtp"),
     "model.forward": ("auto", "targets", "logits"),
     "sharded.param_wire_dtype": ("float32", "bfloat16"),

@@ -70,6 +70,10 @@ def test_registry_config_and_extension() -> None:
     assert CONTENDERS["diloco-int8"].config(cfg, flat).diloco.num_replicas == 4
     assert CONTENDERS["gtp"].config(cfg, nodes).gtp.size == 2 and CONTENDERS["gtp"].config(cfg, flat).gtp.size == 0
     assert CONTENDERS["sharded-adamw-sparse"].config(cfg, flat).sparse.tables == ["bigram"]
+    fp8 = CONTENDERS["sharded-adamw-fp8"].config(cfg, flat)
+    assert fp8.strategy.grad_wire_dtype == "fp8" and fp8.sharded.param_wire_dtype == "bfloat16"
+    assert "sharded-adamw-fp8" not in contender_list("all")  # run only when named
+    assert contender_list("sharded-adamw-fp8") == ["ddp", "sharded-adamw-fp8"]
     assert cfg.sparse.tables == []  # the base config is not touched
     from lowband.comm import codecs
 

@@ -36,10 +36,20 @@ def test_demo_config_loads_and_round_trips(tmp_path: Path) -> None:
     (["--strategy.name=nope"], r"strategy.name must be one of"),
     (["--strategy.name=single"], r"'single' needs between 1 and 1 ranks; run.world_size is 2"),
     (["model.n_layer=2"], r"bad override"),
+    (["--strategy.name=ddp", "--strategy.grad_wire_dtype=fp8"],
+     r"'fp8' \(block-scaled fp8 gradients\) is implemented for sharded-adamw and sharded-muon \(also as "
+     r"diloco.inner\) only; strategy.name is 'ddp'"),
+    (["--strategy.name=gtp", "--strategy.grad_wire_dtype=fp8"], r"strategy.name is 'gtp': use float32 or bfloat16"),
 ])
 def test_bad_overrides(overrides: list[str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         load_config(ROOT / "configs" / "demo.toml", overrides)
+
+
+@pytest.mark.parametrize("name", ["sharded-adamw", "sharded-muon"])
+def test_fp8_gradients_are_accepted_by_the_sharded_strategies(name: str) -> None:
+    cfg = load_config(ROOT / "configs" / "demo.toml", [f"--strategy.name={name}", "--strategy.grad_wire_dtype=fp8"])
+    assert cfg.strategy.grad_wire_dtype == "fp8"
 
 
 def test_bad_toml_types(tmp_path: Path) -> None:

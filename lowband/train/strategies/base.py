@@ -44,6 +44,9 @@ class Strategy:
     """Config sections (besides run, model, data, optim, checkpoint, guard) this strategy reads; ``--help-strategy``
     prints them."""
     needs_parallel_linears: ClassVar[bool] = False
+    fp8_grads: ClassVar[bool] = False
+    """True for strategies whose gradient reduce-scatter can carry block-scaled fp8
+    (``strategy.grad_wire_dtype = "fp8"``, :func:`lowband.comm.codecs.codec_reduce_scatter`)."""
     """True for strategies that split the plan's ``parallel_linears`` (tp, gtp): the trainer refuses a
     model whose plan lists none, naming the strategy and the model class."""
 
@@ -72,6 +75,15 @@ class Strategy:
             hi = "any" if cls.max_world_size is None else str(cls.max_world_size)
             raise ConfigError(f"strategy.name = {cls.name!r} needs between {cls.min_world_size} and {hi} "
                               f"ranks; run.world_size is {world_size}")
+        if cfg.strategy.grad_wire_dtype == "fp8" and not cls.accepts_fp8_grads(cfg):
+            raise ConfigError(f"strategy.grad_wire_dtype = 'fp8' (block-scaled fp8 gradients) is implemented for "
+                              f"sharded-adamw and sharded-muon (also as diloco.inner) only; strategy.name is "
+                              f"{cls.name!r}: use float32 or bfloat16")
+
+    @classmethod
+    def accepts_fp8_grads(cls, cfg: Config) -> bool:
+        """Whether ``strategy.grad_wire_dtype = "fp8"`` works with this strategy under ``cfg``."""
+        return cls.fp8_grads
 
     def setup(self, model: nn.Module) -> None:
         raise NotImplementedError

@@ -37,11 +37,12 @@ from lowband.train.strategies import register_strategy
 from lowband.train.strategies.base import Strategy
 
 # "float32" in the config means "as stored, uncompressed" (as for ddp); "bfloat16" compresses.
-_WIRE = {"float32": None, "bfloat16": torch.bfloat16}
+_WIRE = {"float32": None, "bfloat16": torch.bfloat16, "fp8": "fp8"}  # fp8: block-scaled (codec_reduce_scatter)
 
 
 class _ShardedBase(Strategy):
     config_sections = ("strategy", "sharded", "sparse")
+    fp8_grads = True
     optimizer: ShardedOptimizer
 
     def _groups(self, model: nn.Module) -> list[dict]:
