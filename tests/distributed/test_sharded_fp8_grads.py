@@ -91,3 +91,25 @@ def test_grad_scaler_overflow_skips_on_every_rank() -> None:
 def test_bad_block_size_is_refused() -> None:
     with pytest.raises(ValueError, match="grad_block_size must be a positive multiple of 4"):
         ShardedAdamW(_model().parameters(), grad_wire_dtype="fp8", grad_block_size=6)
+
+
+def _trainer(cfg) -> dict:
+    from lowband.train.trainer import train
+
+    res = train(cfg, write_run_dir=False, log=False)
+    recs = res.strategy.env.ledger.records
+    return {"ops": sorted({r.op for r in recs if r.tag.startswith("grad:")})}
+
+
+def test_trainer_key_sends_fp8_gradients(shard: str) -> None:
+    """``strategy.grad_wire_dtype = "fp8"`` reaches the optimizer: the trainer's gradient collectives are
+    the codec's all-to-alls, never a reduce-scatter."""
+    from lowband.train.config import Config
+
+    cfg = Config()
+    cfg.run.world_size, cfg.run.steps, cfg.run.val_every, cfg.run.log_every, cfg.run.threads = 2, 2, 0, 1, 1
+    cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, cfg.model.seq_len = 1, 32, 2, 16
+    cfg.data.source, cfg.data.train_bin, cfg.data.batch_size = "bin", shard, 2
+    cfg.strategy.name, cfg.strategy.grad_wire_dtype = "sharded-adamw", "fp8"
+    res = run_ranks(_trainer, 2, cfg)
+    assert all(r["ops"] == ["all_to_all"] for r in res), res
