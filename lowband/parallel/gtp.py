@@ -97,6 +97,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from lowband.comm import Comm, CommHandle
+from lowband.comm.codecs import DEFAULT_BLOCK_SIZE, Codec, codec_reduce_scatter, get_codec
 from lowband.comm.opaque import opaque
 from lowband.parallel.gtp_cache import GTPBufferCache
 from lowband.parallel.gtp_quant import (
@@ -141,7 +142,11 @@ class GTPOptions:
         async_reduction: reduce-scatter asynchronously with a deferred finalize.
         finalize_depth: reduce-scatters left in flight before the oldest is finalized (>= 0).
         grad_mode: ``mean`` (pre-scale wgrad by 1/N, replicated grads averaged) or ``sum``.
-        grad_wire_dtype: wire dtype of the reduce-scatter (``None``: the parameter dtype, or bf16).
+        grad_wire_dtype: wire dtype of the reduce-scatter (``None``: the parameter dtype, or bf16), or
+            ``"fp8"`` / ``"int8"``: block-scaled (one fp32 scale per ``grad_block_size`` elements of each
+            rank's shard rows, :func:`lowband.comm.codecs.codec_reduce_scatter`: one all-to-all, fp32 sums
+            in rank order at the owner).
+        grad_block_size: elements per fp32 scale of an ``"fp8"``/``"int8"`` gradient (a multiple of 4).
         record_events: keep an event log (issue/ready/GEMM order) in :attr:`GTPRuntime.events`.
         cache_wire_shard: for ``bf16``/``fp8``, keep each shard's quantized copy until the parameter
             changes (quantize once per optimizer step instead of at every gather; costs 1/2 resp.
@@ -169,7 +174,8 @@ class GTPOptions:
     async_reduction: bool = True
     finalize_depth: int = 2
     grad_mode: str = "mean"
-    grad_wire_dtype: torch.dtype | None = None
+    grad_wire_dtype: torch.dtype | str | None = None
+    grad_block_size: int = DEFAULT_BLOCK_SIZE
     record_events: bool = False
     cache_wire_shard: bool = False
     state_timeout: float = 60.0
@@ -196,9 +202,18 @@ class GTPOptions:
         t = self.state_timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
             raise ValueError(f"GTPOptions.state_timeout must be a number of seconds > 0, got {t!r}")
-        if self.grad_wire_dtype not in (None, torch.float32, torch.float64, torch.bfloat16):
+        if self.grad_wire_dtype not in (None, torch.float32, torch.float64, torch.bfloat16, "fp8", "int8"):
             raise ValueError(f"GTPOptions.grad_wire_dtype {self.grad_wire_dtype} not in "
-                             "(None, torch.float32, torch.float64, torch.bfloat16)")
+                             "(None, torch.float32, torch.float64, torch.bfloat16, 'fp8', 'int8')")
+        b = self.grad_block_size
+        if isinstance(b, bool) or not isinstance(b, int) or b <= 0 or b % 4:
+            raise ValueError(f"GTPOptions.grad_block_size must be a positive multiple of 4, got {b!r}")
+
+    def grad_codec(self) -> Codec | None:
+        """The block-scaled codec of ``"fp8"``/``"int8"`` gradients, else ``None`` (a dtype on the wire)."""
+        if isinstance(self.grad_wire_dtype, str):
+            return get_codec(self.grad_wire_dtype, block_size=self.grad_block_size)
+        return None
 
 
 class GTPWeight:
@@ -292,6 +307,7 @@ class GTPRuntime:
         # timeout: a rank that enters one alone fails within options.state_timeout, not 30 minutes
         self.state_comm = comm.private("gtp_state", timeout=timedelta(seconds=options.state_timeout))
         self.options = options
+        self._grad_codec = options.grad_codec()
         self.size = comm.size
         self.rank = comm.rank
         # stamped on the optimizer state tensors of this runtime's shards (see _check_optimizer_state);
@@ -778,9 +794,14 @@ class GTPRuntime:
         is_head = main and gw.index == 0
         async_op = self.options.async_reduction and self.frozen and not is_head
         self._log("rs_issue", "bwd", gw, async_op)
+        codec = self._grad_codec
         try:
-            handle = self.comm.reduce_scatter(out, wbuf, wire_dtype=self.options.grad_wire_dtype,
-                                              async_op=async_op, tag="gtp:rs")
+            if codec is not None:  # the wgrad was pre-scaled by 1/N above: "sum" gives the mean
+                handle = codec_reduce_scatter(self.comm, out, wbuf, codec, op="sum", async_op=async_op,
+                                              tag="gtp:rs")
+            else:
+                handle = self.comm.reduce_scatter(out, wbuf, wire_dtype=self.options.grad_wire_dtype,
+                                                  async_op=async_op, tag="gtp:rs")
         except RuntimeError as e:
             raise GTPCollectiveError(self._collective_message(gw, "bwd", e, "reduce-scatter")) from e
         self._fifo.append(_PendingRS(gw, handle, wbuf, out))

@@ -37,16 +37,18 @@ def test_demo_config_loads_and_round_trips(tmp_path: Path) -> None:
     (["--strategy.name=single"], r"'single' needs between 1 and 1 ranks; run.world_size is 2"),
     (["model.n_layer=2"], r"bad override"),
     (["--strategy.name=ddp", "--strategy.grad_wire_dtype=fp8"],
-     r"'fp8' \(block-scaled fp8 gradients\) is implemented for sharded-adamw and sharded-muon \(also as "
-     r"diloco.inner\) only; strategy.name is 'ddp'"),
-    (["--strategy.name=gtp", "--strategy.grad_wire_dtype=fp8"], r"strategy.name is 'gtp': use float32 or bfloat16"),
+     r"'fp8' \(block-scaled fp8 gradients\) is implemented for sharded-adamw, sharded-muon and gtp only; "
+     r"strategy.name is 'ddp'"),
+    (["--strategy.name=tp", "--strategy.grad_wire_dtype=fp8"], r"strategy.name is 'tp': use float32 or bfloat16"),
+    (["--strategy.name=gtp", "--gtp.size=1", "--strategy.grad_wire_dtype=fp8"],
+     r"with strategy gtp needs gtp.size = 0 or run.world_size \(2\), got 1"),
 ])
 def test_bad_overrides(overrides: list[str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         load_config(ROOT / "configs" / "demo.toml", overrides)
 
 
-@pytest.mark.parametrize("name", ["sharded-adamw", "sharded-muon"])
+@pytest.mark.parametrize("name", ["sharded-adamw", "sharded-muon", "gtp"])
 def test_fp8_gradients_are_accepted_by_the_sharded_strategies(name: str) -> None:
     cfg = load_config(ROOT / "configs" / "demo.toml", [f"--strategy.name={name}", "--strategy.grad_wire_dtype=fp8"])
     assert cfg.strategy.grad_wire_dtype == "fp8"

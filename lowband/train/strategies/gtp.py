@@ -67,7 +67,7 @@ from lowband.train.strategies import register_strategy
 from lowband.train.strategies.base import Strategy
 from lowband.train.strategies.sharded import muon_ns_dtype
 
-_WIRE = {"float32": None, "bfloat16": torch.bfloat16}
+_WIRE = {"float32": None, "bfloat16": torch.bfloat16, "fp8": "fp8"}  # fp8: block-scaled reduce-scatter
 
 
 def check_gtp_model(model: nn.Module, where: str) -> None:
@@ -94,6 +94,7 @@ def check_gtp_model(model: nn.Module, where: str) -> None:
 class GTPStrategy(Strategy):
     config_sections = ("strategy", "gtp")
     needs_parallel_linears = False  # plan-free: every nn.Linear is sharded (check_gtp_model)
+    fp8_grads = True  # the GTP reduce-scatter (GTPOptions.grad_wire_dtype = "fp8"); not the dp all-reduce
 
     @classmethod
     def validate_config(cls, cfg, world_size: int) -> None:
@@ -104,6 +105,10 @@ class GTPStrategy(Strategy):
         if s.size < 0 or (s.size and world_size % s.size):
             raise ConfigError(f"gtp.size must be 0 (whole world) or a divisor of run.world_size "
                               f"({world_size}); got {s.size}")
+        if cfg.strategy.grad_wire_dtype == "fp8" and s.size not in (0, world_size):
+            raise ConfigError(f"strategy.grad_wire_dtype = 'fp8' with strategy gtp needs gtp.size = 0 or "
+                              f"run.world_size ({world_size}), got {s.size}: the data-parallel all-reduce "
+                              "across GTP groups has no fp8 form (use bfloat16 there)")
         if s.finalize_depth < 0:
             raise ConfigError(f"gtp.finalize_depth must be >= 0; got {s.finalize_depth}")
         if s.fp8_block < 1:
