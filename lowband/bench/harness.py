@@ -82,7 +82,10 @@ def markdown_table(doc: dict[str, Any]) -> str:
              "| name | median s | wire bytes/step/rank | opt state bytes/rank | peak mem bytes | final loss "
              "| ratio vs |", "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in doc["results"]:
-        ratios = ", ".join(f"{k}: {v:.3f}" for k, v in r["ratio_vs"].items())
+        if "step_time_s_median" not in r:  # a contender that failed: its row carries the error
+            lines.append(f"| {r['name']} | error: {r.get('error', 'no result')} | | | | | |")
+            continue
+        ratios = ", ".join(f"{k}: {v:.3f}" for k, v in r.get("ratio_vs", {}).items())
         loss = "" if r["final_loss"] is None else f"{r['final_loss']:.4f}"
         lines.append(f"| {r['name']} | {r['step_time_s_median']:.4f} | {r['wire_bytes_per_step_per_rank']:,} | "
                      f"{r['optimizer_state_bytes_per_rank']:,} | {r['peak_memory_bytes']:,} | {loss} | "

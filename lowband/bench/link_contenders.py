@@ -196,6 +196,11 @@ CONTENDERS: dict[str, LinkSpec] = {
                                                        "sparse.mode|strategy.sparse_mode": "auto"},
                                      note="lowband sharded AdamW, bigram-table gradient row-sparse"),
     "gtp": LinkSpec("gtp", _gtp_overrides, note="generalized tensor parallelism (GTP inside a node)"),
+    "gtp-fp8-gather": LinkSpec("gtp", lambda topo: {**_gtp_overrides(topo), "gtp.gather": "fp8", "gtp.fp8_block": 16},
+                               note="GTP, fp8 weight gathers (16x16 block scales)", in_all=False),
+    "gtp-fp8": LinkSpec("gtp", lambda topo: {**_gtp_overrides(topo), "gtp.gather": "fp8", "gtp.fp8_block": 16,
+                                             "strategy.grad_wire_dtype": "fp8"},
+                        note="GTP, fp8 weight gathers and fp8 gradient reduce-scatters", in_all=False),
 }
 
 
