@@ -2,10 +2,12 @@
 the outside-style GPT (tests/external/outside_gpt.py), float64, 4 gloo ranks = 2 replicas x 2 dp ranks,
 ``ShardedAdamW`` over each replica's dp ranks, ``StreamingDiLoCo`` across the replicas.
 
-| habit | result |
-| --- | --- |
-| ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` after backward | refused at the inner ``step()`` on every rank, nothing stepped, no sync ran |
-| ``GradScaler``: ``scale(loss).backward(); unscale_(opt); opt.clip_grad_norm; step(opt); update()`` with an overflow on one rank of replica 0 | replica 0 skips on both its ranks (one scale there), replica 1 steps; DiLoCo still counts the step on every rank, so the replicas' syncs stay paired and every rank commits the same outer steps |
+* ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` after backward: refused at the inner
+  ``step()`` on every rank, nothing stepped, no sync ran;
+* ``GradScaler`` (``scale(loss).backward(); unscale_(opt); opt.clip_grad_norm; step(opt); update()``) with an
+  overflow on one rank of replica 0: replica 0 skips on both its ranks (one scale there), replica 1 steps;
+  DiLoCo still counts the step on every rank, so the replicas' syncs stay paired and every rank commits
+  the same outer steps.
 
 That every rank of a replica steps exactly like DDP + torch with the same scaler calls is what
 tests/external/test_habits_sharded.py checks for the sharded optimizer alone; here the point is the

@@ -73,7 +73,8 @@ def _sparse_run(habit: str) -> dict:
             try:
                 opt.step()
             except ValueError as e:
-                return {"error": str(e), "unchanged": all(torch.equal(p, before[n]) for n, p in model.named_parameters())}
+                same = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+                return {"error": str(e), "unchanged": same}
             return {"error": None}
         if scaler is not None:
             scaler.unscale_(opt)
