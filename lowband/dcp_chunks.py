@@ -19,6 +19,10 @@ one process, a ``Shard(0)`` DTensor) reads the same file:
   writes each piece as one chunk and ``dcp.load`` copies into the views in place (the default
   planners; ``dcp.async_save``'s stager copies the pieces' storages once through ``new_empty``). A rank
   holding no element of the tensor has no piece and writes nothing for it.
+* :func:`lift_chunks` / :func:`lower_chunks` put a value's pieces under a leading dimension and take
+  them back out (DiLoCo's per-replica rows: shape ``(R, *S)``, pieces at ``(replica, *offsets)``, views
+  of the same memory); :func:`whole_or_chunks` turns pieces that cover the whole tensor into a plain
+  tensor.
 
 No communication of its own (DCP's planning collectives only). Imports nothing else from lowband.
 The measurements behind it (DCP's chunk protocol, chunk caps, reshard matrix) are in the project's
@@ -261,3 +265,42 @@ def box_chunks(shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], torch.
     tensor's (given, since ``boxes`` may be empty: a rank holding no element of the tensor)."""
     return LocalChunks(shape, [p for offsets, box in boxes for p in box_pieces(offsets, box, max_bytes)],
                        dtype=dtype, device=device)
+
+
+def lift_chunks(value: torch.Tensor, size: int, index: int, *, max_bytes: int = MAX_CHUNK_BYTES) -> LocalChunks:
+    """``value`` (a :class:`LocalChunks` or a plain tensor of shape ``S``) as the pieces at leading
+    coordinate ``index`` of a logical tensor of shape ``(size, *S)``: each piece ``(offsets, view)``
+    becomes ``((index, *offsets), view.unsqueeze(0))`` (views of the same memory, so ``dcp.load`` into
+    the result fills ``value``'s pieces in place). A plain tensor is one box, cut by :func:`box_pieces`
+    (on a grid fixed in the lifted tensor's coordinates); a ``LocalChunks`` keeps its pieces. For
+    per-replica values (DiLoCo: a replica's row of an ``(R, *S)`` tensor); no communication."""
+    if not 0 <= index < size:
+        raise ValueError(f"lift_chunks: index {index} is not in [0, {size})")
+    if isinstance(value, LocalChunks):
+        pieces = [((index, *o), v.unsqueeze(0)) for o, v in value.pieces]
+    else:
+        t = value.detach()
+        pieces = box_pieces((index, *(0,) * t.dim()), t.unsqueeze(0), max_bytes)
+    return LocalChunks((size, *value.shape), pieces, dtype=value.dtype, device=value.device)
+
+
+def lower_chunks(value: LocalChunks, index: int) -> LocalChunks:
+    """The inverse of :func:`lift_chunks`: the parts of ``value``'s pieces at leading coordinate ``index``
+    as a :class:`LocalChunks` of shape ``value.shape[1:]`` (views: ``piece[index - offsets[0]]``); pieces at
+    other leading coordinates are left out. No communication."""
+    if value.dim() == 0:
+        raise ValueError("lower_chunks: a 0-d LocalChunks has no leading dimension")
+    pieces = [(o[1:], v[index - o[0]]) for o, v in value.pieces if o[0] <= index < o[0] + v.shape[0]]
+    return LocalChunks(tuple(value.shape[1:]), pieces, dtype=value.dtype, device=value.device)
+
+
+def whole_or_chunks(value: LocalChunks) -> torch.Tensor:
+    """``value`` as a plain tensor when its pieces cover the whole logical tensor (the piece itself, no
+    copy, when it is a single piece of the full shape; else :meth:`LocalChunks.to_full`), else ``value``
+    unchanged. Pieces must not overlap (as :class:`LocalChunks` requires)."""
+    held = sum(v.numel() for _o, v in value.pieces)
+    if held != _prod(value.shape) or (held == 0 and not value.pieces):
+        return value
+    if len(value.pieces) == 1:
+        return value.pieces[0][1]
+    return value.to_full()

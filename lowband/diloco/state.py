@@ -1,53 +1,73 @@
-"""The one state format of Streaming DiLoCo, and its DCP checkpoint together with the model and inner optimizer.
+"""The state format of Streaming DiLoCo, and its DCP checkpoint together with the model and inner optimizer.
 
-:meth:`StreamingDiLoCo.state_dict() <lowband.diloco.StreamingDiLoCo.state_dict>` (built here by
-:func:`diloco_state_dict`) returns a flat dict whose keys never depend on the rank, the replica or the
+:func:`diloco_state_dict` returns a flat dict whose keys never depend on the rank, the replica or the
 world size (``<fqn>`` = the parameter's first name in the model; tied parameters appear once)::
 
     counters                      {"committed": int, "local_step": int}
-    inflight                      b"" or the pickled (fragment, its parameter names, averaged pseudo-gradient)
+    inflight                      b"" or the pickled (fragment, its parameter names, averaged pseudo-gradient
+                                  or None when it is stored per parameter below)
     outer_started.<i>             whether fragment i's outer optimizer has state yet (bool)
     global.<fqn>                  the global (outer) copy of the parameter
     outer.<fqn>.momentum_buffer   the outer SGD momentum (torch.optim.SGD outer optimizers with momentum)
     outer_opt.<i>                 other outer optimizers: their torch ``state_dict()``, serialized (bytes)
+    inflight_avg.<fqn>            rank-local form, row-sharded parameters, delay > 0: the parameter's part of
+                                  the in-flight averaged pseudo-gradient (zeros outside the in-flight fragment)
     residual.<fqn>                error feedback: this replica's residual of the parameter     (per replica)
     inflight_residual.<fqn>       error feedback: the residual an in-flight sync leaves        (per replica)
 
-Everything but the two ``residual`` families is identical on every rank (every replica applies the
-same averaged pseudo-gradient) and is a plain tensor / object. The residuals are private to a replica
-(identical inside one, whose dp ranks hold the same weights): each is a ``DTensor`` of global shape
-``(R, *shape)`` on a ``(replica, dp)`` device mesh with placements ``[Shard(0), Replicate()]`` (one
-row per replica), a plain ``(1, *shape)`` tensor with one replica. So ``torch.distributed.checkpoint``
-(``dcp.save`` / ``dcp.load`` into a fresh :meth:`state_dict` as template) stores every replica's own
-residual and re-splits the dp dimension; a resumed run needs the same number of replicas (a
-different count is refused by DCP's shape check, before anything is loaded). Building the mesh needs
-the replica-major layout of :func:`lowband.diloco.replica_mesh` (``rank = replica * dp + dp_rank``);
-with error feedback on, several replicas and another layout, :func:`diloco_state_dict` raises
-``RuntimeError`` instead of writing a mislabeled checkpoint. Keys are per parameter, so a checkpoint
-loads into another fragment split of the same model, unless a fragment is in flight (refused, naming
-the fragment).
+Everything but the two ``residual`` families is identical on every replica (every replica applies the
+same averaged pseudo-gradient). The residuals are private to a replica (identical on ranks holding the
+same elements inside one): each is stored as one tensor of shape ``(R, *shape)``, replica ``j``'s row
+at leading offset ``j``, so ``torch.distributed.checkpoint`` (``dcp.save`` / ``dcp.load`` into a fresh
+state dict as template) stores every replica's own residual and reshards inside a replica; a resumed
+run needs the same number of replicas (a different count is refused by DCP's shape check, before
+anything is loaded). Labeling a row needs the replica-major layout of :func:`lowband.diloco.replica_mesh`
+(``rank = replica * dp + dp_rank``); with error feedback on, several replicas and another layout,
+:func:`diloco_state_dict` raises ``RuntimeError`` instead of writing a mislabeled checkpoint. Keys are
+per parameter, so a checkpoint loads into another fragment split of the same model, unless a fragment is
+in flight (refused, naming the fragment).
 
-Row-sharded parameters (GTP inside a replica): when ``StreamingDiLoCo.state_layout`` is set (a
-:class:`lowband.diloco.shards.GTPShardLayout`), every per-parameter value above (global copy, momentum,
-residuals, and each parameter's piece of the in-flight buffer) is stored in its *logical* form: the
-rank's row shard all-gathered over its GTP group to the whole, unpadded weight shape (identical on every
-rank of the replica), and sliced back to the rank's padded shard at load. So the state is the same as
-with whole parameters, and loads at another GTP size.
+Two forms of the same keys and logical shapes (each loads from a file the other wrote, except below):
+
+* **rank-local** (``diloco_state_dict(dl, rank_local=True)``, what :class:`DilocoCheckpoint` saves):
+  every tensor is this rank's own elements as views of the live state, no copy. With whole parameters
+  a value is the plain tensor (every rank holds it; DCP writes it once); with row-sharded parameters
+  (GTP inside a replica: ``StreamingDiLoCo.state_layout`` is a
+  :class:`lowband.diloco.shards.GTPShardLayout`) a per-parameter value is a
+  :class:`lowband.dcp_chunks.LocalChunks` of the whole, unpadded weight shape holding this rank's real
+  rows (the same pieces on every replica: DCP writes them once); a per-replica value is lifted under the
+  replica coordinate (:func:`lowband.dcp_chunks.lift_chunks`: pieces at ``(replica, *offsets)``). A
+  load into such a template reads only the saved chunks overlapping what the rank owns now, at any GTP
+  size. The in-flight averaged pseudo-gradient of whole parameters is the same on every rank and stays
+  in the ``inflight`` blob; with row-sharded parameters and ``delay > 0`` it is stored per parameter in
+  ``inflight_avg.<fqn>``, for every parameter (a template cannot know which fragment a file has in
+  flight, so these keys are always present: one logical copy of the model, zeros outside the in-flight
+  fragment). Communication: none, except completing an in-flight all-reduce.
+* **logical** (``rank_local=False``, what :meth:`StreamingDiLoCo.state_dict()
+  <lowband.diloco.StreamingDiLoCo.state_dict>` returns, for inspection and the earlier file format):
+  copies; row shards all-gathered over their GTP group to whole weights (``tag="diloco:state"``, every
+  rank of the group); residuals as ``DTensor`` rows (``[Shard(0), Replicate()]`` on a ``(replica, dp)``
+  device mesh, created collectively on first use), a plain ``(1, *shape)`` tensor with one replica; the
+  in-flight buffer (whole weights) in the blob.
+
+:func:`load_diloco_state_dict` takes either (a filled rank-local template, a logical dict, or files of
+the earlier, gathered format loaded into a rank-local template), with no communication: this rank's
+rows of a whole logical tensor are sliced out, its padded shard rebuilt from rank-local chunks (pad rows
+zero). Files of the gathered format with row-sharded parameters and ``delay > 0`` lack
+``inflight_avg.<fqn>`` and do not load into a rank-local template (DCP: ``Missing key in checkpoint
+state_dict``).
 
 In-flight fragment (between a prepare and its sync, ``delay > 0``): saving waits for its all-reduce
 (the values the sync would wait for later) and stores the averaged result and the residual it leaves;
 loading re-creates the in-flight fragment with nothing left to wait for, so the resumed sync applies
 exactly what the uninterrupted one applies.
 
-:class:`DilocoCheckpoint` adds the replica's model and inner optimizer (per-replica ``DTensor`` rows
-the same way) under ``model`` / ``optim`` and nests the DiLoCo state under ``diloco``: the DCP layout
-the trainer's ``diloco`` strategy checkpoints. The inner part is the inner torch optimizer's state per
-parameter (DDP inside), or the inner strategy's own checkpoint layout (sharded optimizer, GTP)
-gathered to logical tensors inside the replica (the inner's ``logical_state_dict``: for sharded state,
-one all-gather per state tensor per unit over the replica's dp group; for GTP, one all-gather per GTP
-tensor over the gtp group, or a broadcast per GTP Muon momentum). Communication: besides those
-gathers none of its own, except that the first per-replica ``DTensor`` creates the device mesh
-(collective, every rank alike) and saving completes an in-flight all-reduce.
+:class:`DilocoCheckpoint` adds the replica's model and inner optimizer under ``model`` / ``optim`` and
+nests the rank-local DiLoCo state under ``diloco``: the DCP layout the trainer's ``diloco`` strategy
+checkpoints. The inner part is the inner torch optimizer's state per parameter (DDP inside), or the
+inner strategy's own rank-local checkpoint layout (sharded optimizer: owned flat ranges; GTP: real rows;
+GTP Muon: a momentum on its owner), every tensor lifted to a per-replica row ``(R, *logical shape)``. No
+state is gathered or broadcast at save or load; DCP reshards inside a replica (dp or GTP size).
 """
 
 from __future__ import annotations
@@ -60,6 +80,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lowband.dcp_chunks import LocalChunks, lift_chunks, lower_chunks, whole_or_chunks
 from lowband.optim.sharded_state import group_hyperparams
 
 if TYPE_CHECKING:
@@ -162,17 +183,122 @@ def _local_flat(dl: StreamingDiLoCo, frag_i: int, flat: torch.Tensor) -> torch.T
     return torch.cat(parts)
 
 
+def _chunks(dl: StreamingDiLoCo, name: str, t: torch.Tensor) -> Any:
+    """``t`` (a tensor of parameter ``name``'s local shape) as rank-local chunks of its logical tensor."""
+    lay = dl.state_layout
+    return t if lay is None else lay.to_chunks(name, t)
+
+
+def _from_saved(dl: StreamingDiLoCo, name: str, v: Any) -> torch.Tensor:
+    """A loaded value of parameter ``name`` (rank-local chunks, or a whole logical tensor) in local shape."""
+    if isinstance(v, LocalChunks):
+        v = whole_or_chunks(v)
+    lay = dl.state_layout
+    if lay is not None and name in lay.weights:
+        return lay.from_saved(name, v)
+    if isinstance(v, LocalChunks):
+        raise ValueError(f"diloco load_state_dict: {name!r} does not hold the whole parameter (pass the template "
+                         "state_dict() returned, filled by dcp.load)")
+    return v
+
+
+def _replica_row(v: Any, replica: int | None) -> Any:
+    """This replica's row of a per-replica value: a lifted ``LocalChunks`` (rank-local form), a ``DTensor``
+    row (:func:`per_replica`, the gathered form and earlier files) or a plain ``(R, *shape)`` tensor."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(v, DTensor):
+        return row(v)
+    if replica is None:
+        raise RuntimeError("diloco load_state_dict: per-replica values need the replica-major (replica, dp) "
+                           "layout of lowband.diloco.replica_mesh to find this replica's row")
+    if isinstance(v, LocalChunks):
+        return lower_chunks(v, replica)
+    return v[replica]
+
+
+def _layout_or_raise(dl: StreamingDiLoCo) -> tuple[int, int, int]:
+    layout = replica_layout(dl.comm)
+    if layout is None:
+        raise RuntimeError("diloco state_dict: error-feedback residuals are per replica and need the "
+                           "replica-major (replica, dp) layout of lowband.diloco.replica_mesh to be labeled "
+                           f"for torch.distributed.checkpoint; the cross-replica group {dl.comm.name!r} "
+                           f"(size {dl.comm.size}) is laid out otherwise")
+    return layout
+
+
+def inflight_keys(dl: StreamingDiLoCo) -> bool:
+    """Whether the rank-local form stores an in-flight fragment per parameter (``inflight_avg.<fqn>``):
+    with row-sharded parameters (``state_layout`` set) and ``delay > 0`` (only then can a fragment be in
+    flight at a checkpoint)."""
+    return dl.state_layout is not None and dl.delay > 0
+
+
 @torch.no_grad()
-def diloco_state_dict(dl: StreamingDiLoCo) -> dict[str, Any]:
-    """The state of ``dl`` in the format of this module (see the module docstring)."""
-    layout = None
-    if dl.error_feedback:
-        layout = replica_layout(dl.comm)
-        if layout is None:
-            raise RuntimeError("diloco state_dict: error-feedback residuals are per replica and need the "
-                               "replica-major (replica, dp) layout of lowband.diloco.replica_mesh to be labeled "
-                               f"for torch.distributed.checkpoint; the cross-replica group {dl.comm.name!r} "
-                               f"(size {dl.comm.size}) is laid out otherwise")
+def diloco_state_dict(dl: StreamingDiLoCo, *, rank_local: bool = False) -> dict[str, Any]:
+    """The state of ``dl`` in the format of this module (see the module docstring).
+
+    ``rank_local=False`` (:meth:`StreamingDiLoCo.state_dict`): sharded parameters' values gathered to
+    logical tensors (collective over the GTP group, ``tag="diloco:state"``), copies, residuals as
+    ``DTensor`` rows. ``rank_local=True`` (:class:`DilocoCheckpoint`): every value this rank's own elements
+    as views (``LocalChunks``; per-replica values lifted under the replica coordinate), no communication
+    but completing an in-flight all-reduce; with row-sharded parameters and ``delay > 0`` the in-flight
+    fragment is stored per parameter (``inflight_avg.<fqn>``, zeros for a fragment not in flight)."""
+    if not rank_local:
+        return _logical_state_dict(dl)
+    layout = _layout_or_raise(dl) if dl.error_feedback else None
+    per_param = inflight_keys(dl)
+    infl = dl._inflight
+    if infl is not None:
+        dl._wait_inflight()  # same order on every rank; the sync's own wait is then a no-op
+    inflight = b""
+    if infl is not None:
+        if dl.state_layout is not None and not per_param:
+            raise RuntimeError(f"diloco state_dict: fragment {infl.fragment} is in flight with delay 0; the "
+                               "rank-local form has no place for its row shards")
+        # whole parameters: the averaged buffer is the same on every rank (written once); shards: per parameter
+        flat = None if per_param else infl.flat.detach().cpu().clone()
+        inflight = pickle.dumps((infl.fragment, list(dl.frags[infl.fragment].names), flat))
+    out: dict[str, Any] = {"counters": {"committed": dl.committed, "local_step": dl.local_step},
+                           "inflight": inflight}
+    for i, (frag, gs, outer) in enumerate(zip(dl.frags, dl.globals, dl.outer, strict=True)):
+        out[f"outer_started.{i}"] = any(bool(outer.state.get(g)) for g in gs)
+        for name, g in zip(frag.names, gs, strict=True):
+            out[f"global.{name}"] = _chunks(dl, name, g.detach())
+        if _is_sgd(outer):
+            if any(grp["momentum"] != 0 for grp in outer.param_groups):
+                for name, g in zip(frag.names, gs, strict=True):
+                    mom = outer.state.get(g, {}).get("momentum_buffer")
+                    out[f"outer.{name}.momentum_buffer"] = _chunks(dl, name, mom.detach() if mom is not None
+                                                                   else torch.zeros_like(g))
+        else:
+            if dl.state_layout is not None and dl.state_layout.weights:
+                raise RuntimeError("diloco state_dict: outer optimizers other than torch.optim.SGD are saved as "
+                                   "their serialized state, which cannot hold sharded (GTP) parameters")
+            buf = io.BytesIO()
+            torch.save(outer.state_dict(), buf)
+            out[f"outer_opt.{i}"] = buf.getvalue()
+        if per_param:
+            device = frag.params[0].device
+            mine = infl is not None and infl.fragment == i
+            flat = (infl.flat.detach() if mine else  # type: ignore[union-attr]
+                    torch.zeros(frag.numel, dtype=dl.buffer_dtypes[i], device=device))
+            for name, x in zip(frag.names, _split(flat, frag.params), strict=True):
+                out[f"inflight_avg.{name}"] = _chunks(dl, name, x)
+        res = dl.residuals[i]
+        if res is not None:
+            assert layout is not None
+            r_count, _dp, replica = layout
+            pending = (infl.residual if infl is not None and infl.fragment == i and infl.residual is not None
+                       else torch.zeros_like(res))
+            for name, r, q in zip(frag.names, _split(res, gs), _split(pending.to(res.device), gs), strict=True):
+                out[f"residual.{name}"] = lift_chunks(_chunks(dl, name, r), r_count, replica)
+                out[f"inflight_residual.{name}"] = lift_chunks(_chunks(dl, name, q), r_count, replica)
+    return out
+
+
+def _logical_state_dict(dl: StreamingDiLoCo) -> dict[str, Any]:
+    layout = _layout_or_raise(dl) if dl.error_feedback else None
     inflight = b""
     infl = dl._inflight
     if infl is not None:
@@ -221,16 +347,24 @@ def load_diloco_state_dict(dl: StreamingDiLoCo, state: dict[str, Any]) -> None:
                              "fragments, outer optimizer or error-feedback settings)")
         return state[key]
 
+    replica = None
+    if dl.error_feedback:
+        layout = replica_layout(dl.comm)
+        replica = None if layout is None else layout[2]
+
+    def local(name: str, v: Any) -> torch.Tensor:
+        return _from_saved(dl, name, v)
+
     for i, (frag, gs, outer) in enumerate(zip(dl.frags, dl.globals, dl.outer, strict=True)):
         for name, g in zip(frag.names, gs, strict=True):
-            g.copy_(_local(dl, name, get(f"global.{name}")))
+            g.copy_(local(name, get(f"global.{name}")))
         if _is_sgd(outer):
             if any(grp["momentum"] != 0 for grp in outer.param_groups):
                 started = bool(get(f"outer_started.{i}"))
                 for name, g in zip(frag.names, gs, strict=True):
                     if started:
-                        outer.state[g]["momentum_buffer"] = _local(dl, name, get(f"outer.{name}.momentum_buffer")
-                                                                   ).to(g.device).clone()
+                        outer.state[g]["momentum_buffer"] = local(name, get(f"outer.{name}.momentum_buffer")
+                                                                  ).to(g.device).clone()
                     else:
                         outer.state.pop(g, None)
         else:
@@ -238,7 +372,7 @@ def load_diloco_state_dict(dl: StreamingDiLoCo, state: dict[str, Any]) -> None:
         res = dl.residuals[i]
         if res is not None:
             for name, r in zip(frag.names, _split(res, gs), strict=True):
-                r.copy_(_local(dl, name, row(get(f"residual.{name}"))))
+                r.copy_(local(name, _replica_row(get(f"residual.{name}"), replica)))
     dl.committed = int(get("counters")["committed"])
     dl.local_step = int(get("counters")["local_step"])
     dl._inflight = None
@@ -249,44 +383,58 @@ def load_diloco_state_dict(dl: StreamingDiLoCo, state: dict[str, Any]) -> None:
             raise ValueError(f"diloco load_state_dict: fragment {frag_i} was in flight when saved, with parameters "
                              f"{names[:3]}...; this instance's fragments differ; resume with the saved split")
         frag = dl.frags[frag_i]
+        device = frag.params[0].device
         pending = None
         if dl.residuals[frag_i] is not None:
-            pending = torch.cat([_local(dl, n, row(get(f"inflight_residual.{n}"))).reshape(-1) for n in frag.names])
-            pending = pending.to(device=frag.params[0].device, dtype=dl.buffer_dtypes[frag_i])
-        flat = _local_flat(dl, frag_i, flat)
-        dl._inflight = _InFlight(frag_i, flat.to(frag.params[0].device), [], pending,
+            pending = torch.cat([local(n, _replica_row(get(f"inflight_residual.{n}"), replica)).reshape(-1)
+                                 for n in frag.names])
+            pending = pending.to(device=device, dtype=dl.buffer_dtypes[frag_i])
+        if flat is None:  # the rank-local form: per parameter
+            flat = torch.cat([local(n, get(f"inflight_avg.{n}")).reshape(-1).to(device) for n in frag.names])
+        else:  # whole parameters, or the logical form (gathered shards; earlier files)
+            flat = _local_flat(dl, frag_i, flat)
+        dl._inflight = _InFlight(frag_i, flat.to(device=device, dtype=dl.buffer_dtypes[frag_i]), [], pending,
                                  bool(torch.isfinite(flat).all()))
 
 
 # ------------------------------------------------------------------------------ DCP checkpoint
 class DilocoCheckpoint:
-    """Model + inner optimizer + :class:`~lowband.diloco.StreamingDiLoCo` of one rank, for DCP.
+    """Model + inner optimizer + :class:`~lowband.diloco.StreamingDiLoCo` of one rank, for DCP, rank-local.
 
-    ``state_dict()`` = ``{"model": {fqn: row}, "optim": {...}, "diloco": StreamingDiLoCo.state_dict()}``,
-    where a *row* is a :func:`per_replica` value (the model and the inner optimizer state differ between
-    replicas and are identical inside one). Save with ``dcp.save(ckpt.state_dict(), ...)``; resume by
-    ``sd = ckpt.state_dict(); dcp.load(sd, ...); ckpt.load_state_dict(sd)``.
+    ``state_dict()`` = ``{"model": {fqn: row}, "optim": {...}, "diloco": diloco_state_dict(rank_local=True)}``,
+    where a *row* is a :class:`~lowband.dcp_chunks.LocalChunks` of shape ``(R, *logical shape)`` holding
+    what this rank owns of its replica's value at leading offset ``replica`` (:func:`lowband.dcp_chunks.lift_chunks`:
+    the model and the inner optimizer state differ between replicas; ranks of one replica holding the same
+    elements write the same chunks, which DCP writes once). Every piece is a view of the live state, so
+    ``dcp.save`` writes only what each rank owns and ``dcp.load`` into a fresh ``state_dict()`` reads only
+    the saved chunks overlapping what it owns, in place, at any dp / GTP size inside a replica (DCP
+    reshards); the replica count must stay (DCP's shape check refuses another). Save with
+    ``dcp.save(ckpt.state_dict(), ...)``; resume by ``sd = ckpt.state_dict(); dcp.load(sd, ...);
+    ckpt.load_state_dict(sd)``.
 
     Two sources of the inner part:
 
     * ``inner=None`` (DDP inside a replica): the inner torch optimizer's own state per parameter,
-      ``"optim": {"state.<fqn>.<key>": row, "param_groups.<g>.<hyper>": value}``. It must keep its state
-      per parameter as tensors (torch AdamW / SGD / Adam ...; missing state before the first step is
-      written as AdamW-shaped zeros only for AdamW-like optimizers).
+      ``"optim": {"state.<fqn>.<key>": row, "param_groups.<g>.<hyper>": value}``, every rank of the replica
+      holding it whole. It must keep its state per parameter as tensors (torch AdamW / SGD / Adam ...;
+      missing state before the first step is written as AdamW-shaped zeros only for AdamW-like optimizers).
     * ``inner=`` an object with ``state_dict()`` / ``load_state_dict(state)`` in the ``{"model": {fqn: ...},
-      "optim": {key: ...}}`` shape (a sharded inner strategy's
-      :class:`~lowband.optim.sharded_state.ShardedStateLayout`, GTP's
-      :class:`~lowband.parallel.gtp_state.GTPStateLayout`, i.e. the inner strategy itself): its values are
-      made *logical*, the same full tensor on every rank of the replica (an inner with a
-      ``logical_state_dict()``, the sharded and GTP strategies, is asked for that gathered form instead of
-      its rank-local ``state_dict()``: ``tag="state"`` / ``"gtp:state"``; ``Shard(0)`` DTensors over
-      ``inner_comm`` are all-gathered through it), and every tensor becomes a row;
-      other values (hyperparameters) stay plain. Loading hands the rows back as full tensors to
-      ``inner.load_state_dict``, which keeps this rank's part. So the inner layout inside a replica may change
-      between save and resume (dp or gtp size), the replica count may not. Transiently every rank holds its
-      replica's full inner state (as the inner layouts themselves do). The DiLoCo hooks are paused meanwhile
-      (``StreamingDiLoCo.paused``), so a zero-lr initialization step of torch's ``get_state_dict`` is not
-      counted as an inner step.
+      "optim": {key: ...}}`` shape whose tensors are plain or rank-local ``LocalChunks`` of the logical shape
+      (the inner strategy itself: a sharded inner's :class:`~lowband.optim.sharded_state.ShardedStateLayout`,
+      GTP's :class:`~lowband.parallel.gtp_state.GTPStateLayout` / ``GTPMuonStateLayout``): its rank-local
+      ``state_dict()`` (not the gathered ``logical_state_dict()``) with every tensor lifted to a row;
+      other values (hyperparameters) stay plain. Loading lowers each row back to this rank's part
+      (:func:`~lowband.dcp_chunks.lower_chunks`; a part that is the whole tensor as a plain tensor) and hands
+      it to ``inner.load_state_dict``. The DiLoCo hooks are paused meanwhile (``StreamingDiLoCo.paused``),
+      so a zero-lr initialization step of torch's ``get_state_dict`` is not counted as an inner step.
+
+    Files of the earlier gathered format (rows as ``DTensor`` ``[Shard(0), Replicate()]``, the same keys
+    and logical shapes) load into this template, except DiLoCo with GTP inside and ``delay > 0``: the
+    in-flight fragment is now stored per parameter (``diloco.inflight_avg.<fqn>``), which those files
+    lack (DCP refuses the load: ``Missing key in checkpoint state_dict``).
+
+    Communication: none of its own (DCP's planning collectives only), except that saving completes an
+    in-flight all-reduce.
 
     Args:
         model: the plain replica model (not a DDP wrapper).
@@ -295,8 +443,8 @@ class DilocoCheckpoint:
         num_replicas, dp_size, replica: the mesh (``dp_size`` = ranks per replica) and this rank's replica
             (replica-major ranks).
         inner: the inner state layout (see above), or ``None``.
-        inner_comm: the Comm over which ``inner``'s ``Shard(0)`` DTensors are sharded (the replica's dp
-            group); needed only when they are.
+        inner_comm: unused (earlier versions gathered ``Shard(0)`` DTensors of the inner through it); kept
+            so existing callers keep working.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, diloco: StreamingDiLoCo,
@@ -315,62 +463,68 @@ class DilocoCheckpoint:
         return {"step": torch.tensor(0.0, dtype=_get_scalar_dtype()), "exp_avg": torch.zeros_like(p),
                 "exp_avg_sq": torch.zeros_like(p)}
 
-    def _row(self, v: torch.Tensor) -> Any:
-        return per_replica(v, self.r, self.d, self.diloco.dcp_meshes)
-
-    def _logical(self, values: dict[str, Any]) -> dict[str, Any]:
-        """``values`` with every ``DTensor`` gathered to its full tensor (through ``inner_comm``)."""
+    def _row(self, v: torch.Tensor, key: str) -> LocalChunks:
         from torch.distributed.tensor import DTensor
 
-        if not any(isinstance(v, DTensor) for v in values.values()):
-            return dict(values)
-        if self.inner_comm is None:
-            raise RuntimeError("DilocoCheckpoint: the inner state holds DTensors but no inner_comm was given")
-        from lowband.optim.sharded_state import Shard0
+        if isinstance(v, DTensor):
+            raise TypeError(f"DilocoCheckpoint: inner state {key!r} is a DTensor; the inner state_dict() must give "
+                            "plain tensors or rank-local LocalChunks of the logical shape")
+        return lift_chunks(v, self.r, self.replica)
 
-        if getattr(self, "_shard0", None) is None:
-            self._shard0 = Shard0(self.inner_comm)
-        return self._shard0.gather(values)
+    def _unrow(self, v: Any) -> Any:
+        """This replica's part of a row (a plain tensor when it is the whole tensor); other values as they are."""
+        if not isinstance(v, torch.Tensor):
+            return v
+        part = _replica_row(v, self.replica)
+        return whole_or_chunks(part) if isinstance(part, LocalChunks) else part
 
     @torch.no_grad()
     def state_dict(self) -> dict[str, Any]:
-        diloco = self.diloco.state_dict()  # first: completes an in-flight all-reduce
+        diloco = diloco_state_dict(self.diloco, rank_local=True)  # first: completes an in-flight all-reduce
         if self.inner is not None:
-            with self.diloco.paused():  # the gathered form where the inner layout saves rank-local chunks
-                sd = getattr(self.inner, "logical_state_dict", self.inner.state_dict)()
-            model = {n: self._row(v) for n, v in self._logical(sd["model"]).items()}
-            optim = {k: self._row(v) if isinstance(v, torch.Tensor) else v
-                     for k, v in self._logical(sd.get("optim", {})).items()}
+            with self.diloco.paused():
+                sd = self.inner.state_dict()
+            model = {n: self._row(v, f"model.{n}") for n, v in sd["model"].items()}
+            optim = {k: self._row(v, f"optim.{k}") if isinstance(v, torch.Tensor) else v
+                     for k, v in sd.get("optim", {}).items()}
             return {"model": model, "optim": optim, "diloco": diloco}
-        model = {n: self._row(p) for n, p in self.model.named_parameters()}
+        model = {n: self._row(p, f"model.{n}") for n, p in self.model.named_parameters()}
         optim: dict[str, Any] = {}
         for g in self.optimizer.param_groups:
             for p in g["params"]:
                 for k, v in self._inner_state(p).items():
-                    optim[f"state.{self.names[id(p)]}.{k}"] = self._row(v)
+                    key = f"state.{self.names[id(p)]}.{k}"
+                    optim[key] = self._row(v, f"optim.{key}")
         optim.update(group_hyperparams(self.optimizer.param_groups))
         return {"model": model, "optim": optim, "diloco": diloco}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.inner is not None:
-            model = {n: row(v) for n, v in state["model"].items()}
-            optim = {k: row(v) if isinstance(v, torch.Tensor) else v for k, v in state["optim"].items()}
+            model = {n: self._unrow(v) for n, v in state["model"].items()}
+            optim = {k: self._unrow(v) for k, v in state["optim"].items()}
             with self.diloco.paused():
                 self.inner.load_state_dict({"model": model, "optim": optim})
             self.diloco.load_state_dict(state["diloco"])
             return
         for n, p in self.model.named_parameters():
-            p.copy_(row(state["model"][n]))
+            p.copy_(self._whole(state["model"][n], f"model.{n}"))
         optim = state["optim"]
         for g in self.optimizer.param_groups:
             for p in g["params"]:
                 prefix = f"state.{self.names[id(p)]}."
-                self.optimizer.state[p] = {k[len(prefix):]: row(v) for k, v in optim.items()
-                                           if k.startswith(prefix)}
+                self.optimizer.state[p] = {k[len(prefix):]: self._whole(v, f"optim.{k}").clone()
+                                           for k, v in optim.items() if k.startswith(prefix)}
         for gi, g in enumerate(self.optimizer.param_groups):
             for k in list(g):
                 key = f"param_groups.{gi}.{k}"
                 if k != "params" and key in optim:
                     g[k] = optim[key]
         self.diloco.load_state_dict(state["diloco"])
+
+    def _whole(self, v: Any, key: str) -> torch.Tensor:
+        out = self._unrow(v)
+        if isinstance(out, LocalChunks):
+            raise ValueError(f"DilocoCheckpoint: {key!r} does not hold this replica's whole tensor (pass the "
+                             "template state_dict() returned, filled by dcp.load)")
+        return out

@@ -38,6 +38,33 @@ def diloco_config(shard: str, world: int, *, replicas: int = 0, steps: int = 6, 
     return cfg
 
 
+def gather_chunks(state: dict) -> dict:
+    """``{key: value}`` with every :class:`~lowband.dcp_chunks.LocalChunks` made whole from every rank's pieces
+    (one ``all_gather_object``; test inspection only, not what a checkpoint does), each element covered."""
+    import torch.distributed as dist
+
+    from lowband.dcp_chunks import LocalChunks
+
+    mine = {k: [(o, t.detach().cpu().clone()) for o, t in v.pieces] for k, v in state.items()
+            if isinstance(v, LocalChunks)}
+    everyone = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    out = dict(state)
+    for k in mine:
+        v = state[k]
+        full = torch.zeros(tuple(v.shape), dtype=v.dtype)
+        seen = torch.zeros(tuple(v.shape), dtype=torch.bool)
+        for pieces in everyone:
+            for o, t in pieces[k]:
+                box = tuple(slice(a, a + n) for a, n in zip(o, t.shape, strict=True))
+                full[box], seen[box] = t, True
+        assert bool(seen.all()), f"{k}: the ranks' pieces do not cover the tensor"
+        out[k] = full
+    return out
+
+
 def _snapshot(res) -> dict:
     def conv(v):
         if isinstance(v, torch.Tensor):
@@ -46,7 +73,7 @@ def _snapshot(res) -> dict:
             return pickle.loads(v) if v else None
         return v
 
-    state = full_state(res.strategy.state_dict(), conv)
+    state = {k: conv(v) for k, v in gather_chunks(full_state(res.strategy.state_dict())).items()}
     return {"losses": {r["step"]: r["loss"] for r in res.rows if "loss" in r}, "state": state,
             "start": res.start_step, "skipped": list(res.skipped_steps)}
 

@@ -17,8 +17,11 @@ from lowband.dcp_chunks import (
     box_pieces,
     flat_range_boxes,
     flat_range_pieces,
+    lift_chunks,
     local_chunks,
+    lower_chunks,
     split_box,
+    whole_or_chunks,
 )
 
 
@@ -130,3 +133,43 @@ def test_single_process_save_and_load_round_trip(tmp_path: Path) -> None:
         buf2 = torch.zeros(100)
         dcp.load({"a": local_chunks((30, 7), 10, 110, buf2)}, checkpoint_id=str(tmp_path / "one"), no_dist=True)
         assert torch.equal(buf2, a.reshape(-1)[10:110])
+
+
+def test_lift_and_lower_under_a_leading_dimension(tmp_path: Path) -> None:
+    """lift_chunks puts a replica's pieces (a LocalChunks or a plain tensor, incl. 0-d) at leading offset
+    ``index`` of an ``(R, *S)`` tensor as views; lower_chunks / whole_or_chunks give the same memory back; two
+    "replicas" saved as one DCP file load into plain ``(R, *S)`` tensors and back into lifted views in place."""
+    torch.manual_seed(1)
+    w = [torch.randn(9, 7, dtype=torch.float64) for _ in range(2)]
+    steps = [torch.tensor(3.0), torch.tensor(5.0)]
+    halves = [[local_chunks((9, 7), 0, 30, w[r].reshape(-1)[:30], max_bytes=64),
+               local_chunks((9, 7), 30, 63, w[r].reshape(-1)[30:], max_bytes=64)] for r in range(2)]
+    lifted = lift_chunks(halves[1][0], 2, 1)
+    assert lifted.shape == (2, 9, 7) and all(o[0] == 1 and v.shape[0] == 1 for o, v in lifted.pieces)
+    assert [o[1:] for o, _v in lifted.pieces] == [o for o, _v in halves[1][0].pieces]
+    low = lower_chunks(lifted, 1)
+    assert all(a.data_ptr() == b.data_ptr() and a.shape == b.shape
+               for (_o, a), (_p, b) in zip(low.pieces, halves[1][0].pieces, strict=True))
+    assert lower_chunks(lifted, 0).pieces == [] and whole_or_chunks(low) is low  # a part: stays chunks
+    whole = whole_or_chunks(lower_chunks(lift_chunks(w[0], 2, 0), 0))
+    assert type(whole) is torch.Tensor and whole.data_ptr() == w[0].data_ptr() and torch.equal(whole, w[0])
+    s0 = lift_chunks(steps[1], 2, 1)
+    assert s0.shape == (2,) and s0.pieces[0][0] == (1,)
+    assert whole_or_chunks(lower_chunks(s0, 1)).dim() == 0
+    with pytest.raises(ValueError, match="index 2"):
+        lift_chunks(w[0], 2, 2)
+    # both replicas' pieces of both halves ("ranks") together cover (2, 9, 7): one file
+    sd = {"w": LocalChunks((2, 9, 7), [p for r in range(2) for h in halves[r] for p in lift_chunks(h, 2, r).pieces],
+                           dtype=torch.float64, device="cpu"),
+          "step": LocalChunks((2,), [p for r in range(2) for p in lift_chunks(steps[r], 2, r).pieces],
+                              dtype=torch.float32, device="cpu")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(sd, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+        plain = {"w": torch.zeros(2, 9, 7, dtype=torch.float64), "step": torch.zeros(2)}
+        dcp.load(plain, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+        assert torch.equal(plain["w"], torch.stack(w)) and plain["step"].tolist() == [3.0, 5.0]
+        into, st = torch.zeros(9, 7, dtype=torch.float64), torch.tensor(0.0)
+        dcp.load({"w": lift_chunks(into, 2, 1), "step": lift_chunks(st, 2, 1)}, checkpoint_id=str(tmp_path / "ck"),
+                 no_dist=True)
+        assert torch.equal(into, w[1]) and float(st) == 5.0  # in place

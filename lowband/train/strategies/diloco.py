@@ -243,13 +243,14 @@ class DilocoStrategy(Strategy):
         return {**self.inner.log_extras(), "outer_steps": self.diloco.committed}
 
     # ----------------------------------------------------------------------------------------------
-    # Checkpoint hooks (docs/checkpoints.md); layout: lowband.diloco.state.DilocoCheckpoint: the replica's
-    # model and inner optimizer state as per-replica (replicas, ...) DTensor rows (for ddp, torch AdamW's
-    # state per parameter; for the others, the inner strategy's own checkpoint layout gathered to logical
-    # tensors: ShardedStateLayout, GTPStateLayout), global copies / outer momentum / counters / in-flight
-    # fragment replicated, error-feedback residuals per replica. The format tag carries the replica count
-    # and the inner kind: a checkpoint resumes with as many replicas and the same inner strategy (any dp /
-    # gtp size inside a replica). skip_step keeps an in-flight fragment in flight.
+    # Checkpoint hooks (docs/checkpoints.md); layout: lowband.diloco.state.DilocoCheckpoint, rank-local (no
+    # gather): the replica's model and inner optimizer state as per-replica (replicas, ...) rows of rank-local
+    # chunks (for ddp, torch AdamW's state per parameter; for the others, the inner strategy's own rank-local
+    # layout: ShardedStateLayout, GTPStateLayout, GTPMuonStateLayout), global copies / outer momentum /
+    # counters / in-flight fragment replicated (with GTP inside: each rank's real rows), error-feedback
+    # residuals per replica. The format tag carries the replica count and the inner kind: a checkpoint
+    # resumes with as many replicas and the same inner strategy (any dp / gtp size inside a replica).
+    # skip_step keeps an in-flight fragment in flight.
 
     def _ckpt_layout(self):
         from lowband.diloco.state import DilocoCheckpoint
