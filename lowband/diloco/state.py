@@ -54,8 +54,9 @@ Two forms of the same keys and logical shapes (each loads from a file the other 
 the earlier, gathered format loaded into a rank-local template), with no communication: this rank's
 rows of a whole logical tensor are sliced out, its padded shard rebuilt from rank-local chunks (pad rows
 zero). Files of the gathered format with row-sharded parameters and ``delay > 0`` lack
-``inflight_avg.<fqn>`` and do not load into a rank-local template (DCP: ``Missing key in checkpoint
-state_dict``).
+``inflight_avg.<fqn>``: :meth:`DilocoCheckpoint.fit_template` drops those keys from the template before
+``dcp.load`` (the trainer does, from the checkpoint's metadata), and the in-flight fragment is read from
+the blob, where those files kept it in logical form.
 
 In-flight fragment (between a prepare and its sync, ``delay > 0``): saving waits for its all-reduce
 (the values the sync would wait for later) and stores the averaged result and the residual it leaves;
@@ -429,9 +430,9 @@ class DilocoCheckpoint:
       so a zero-lr initialization step of torch's ``get_state_dict`` is not counted as an inner step.
 
     Files of the earlier gathered format (rows as ``DTensor`` ``[Shard(0), Replicate()]``, the same keys
-    and logical shapes) load into this template, except DiLoCo with GTP inside and ``delay > 0``: the
-    in-flight fragment is now stored per parameter (``diloco.inflight_avg.<fqn>``), which those files
-    lack (DCP refuses the load: ``Missing key in checkpoint state_dict``).
+    and logical shapes) load into this template; with GTP inside and ``delay > 0`` they lack the
+    per-parameter in-flight keys (``diloco.inflight_avg.<fqn>``): pass the template through
+    :meth:`fit_template` with the file's keys first (the trainer does).
 
     Communication: none of its own (DCP's planning collectives only), except that saving completes an
     in-flight all-reduce.
@@ -497,6 +498,20 @@ class DilocoCheckpoint:
                     optim[key] = self._row(v, f"optim.{key}")
         optim.update(group_hyperparams(self.optimizer.param_groups))
         return {"model": model, "optim": optim, "diloco": diloco}
+
+    @staticmethod
+    def fit_template(state: dict[str, Any], saved_keys: set[str]) -> list[str]:
+        """Fit a fresh :meth:`state_dict` (the load template) to a checkpoint written before the in-flight
+        fragment was stored per parameter: drop the ``diloco.inflight_avg.<fqn>`` entries the checkpoint
+        does not have (``saved_keys``: its flattened DCP keys, relative to this state), so ``dcp.load``
+        does not stop at a missing key; :meth:`load_state_dict` then takes the in-flight fragment from
+        the ``inflight`` blob, where those files kept it in logical form. Returns the dropped keys. No
+        communication (every rank reads the same metadata and drops the same keys)."""
+        diloco = state.get("diloco", {})
+        dropped = [k for k in diloco if k.startswith("inflight_avg.") and f"diloco.{k}" not in saved_keys]
+        for k in dropped:
+            del diloco[k]
+        return dropped
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -593,6 +593,12 @@ class CheckpointManager:
         p, step, meta = shared[1]
         return CheckpointInfo(Path(p), step, meta)
 
+    def saved_keys(self, info: CheckpointInfo) -> set[str]:
+        """The flattened DCP keys checkpoint ``info`` holds (its ``.metadata``; no communication)."""
+        from torch.distributed.checkpoint import FileSystemReader
+
+        return set(FileSystemReader(str(info.path)).read_metadata().state_dict_metadata)
+
     def load(self, info: CheckpointInfo, state: dict[str, Any]) -> None:
         """Collective: fill ``state`` in place from checkpoint ``info`` (DCP reshards as needed).
 
@@ -809,6 +815,9 @@ class TrainCheckpointer:
         saved_world = int(info.meta.get("world_size", 1))
         self.strategy.prepare_resume()
         state = self._state(self.env.rank % saved_world)
+        saved = self.manager.saved_keys(info)
+        self.strategy.fit_resume_template(state["strategy"], {k.removeprefix("strategy.") for k in saved
+                                                              if k.startswith("strategy.")})
         self.manager.load(info, state)
         self.strategy.load_state_dict(state["strategy"])
         trainer = pickle.loads(state["trainer"])

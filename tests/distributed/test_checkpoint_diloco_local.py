@@ -53,8 +53,12 @@ def _plain(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _save_or_load(cfg: Config, path: str, save: bool) -> dict[str, Any]:
+def _save_or_load(cfg: Config, path: str, save: bool, earlier: bool = False) -> dict[str, Any]:
+    """``earlier``: save the ``diloco`` part in the earlier, gathered form (``StreamingDiLoCo.state_dict()``:
+    no ``inflight_avg`` keys, the in-flight fragment in logical form in the blob), or load with the
+    template fitted to the file's keys first (what the trainer does)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
 
     from lowband.comm import default_ledger
     from lowband.dcp_chunks import LocalChunks
@@ -67,8 +71,13 @@ def _save_or_load(cfg: Config, path: str, save: bool) -> dict[str, Any]:
     n0 = len(ledger.records)
     sd = st.state_dict()
     if save:
+        if earlier:
+            sd["diloco"] = st.diloco.state_dict()
         dcp.save(sd, checkpoint_id=path)
     else:
+        if earlier:
+            st.fit_resume_template(sd, set(FileSystemReader(path).read_metadata().state_dict_metadata))
+            out["fitted_keys"] = sorted(k for k in sd["diloco"] if k.startswith("inflight_avg."))
         dcp.load(sd, checkpoint_id=path)
         st.load_state_dict(sd)
     out["records"] = [(r.op, r.tag, r.group) for r in ledger.records[n0:]]
@@ -158,3 +167,20 @@ def test_gtp_inner_async_save_snapshots_at_save_time(shard: str, tmp_path: Path)
         assert second[r]["start"] == 3
         assert second[r]["losses"] == {k: v for k, v in full[r]["losses"].items() if k > 3}
         assert_same_state(second[r]["state"], full[r]["state"])
+
+
+def test_gtp_inner_file_of_the_earlier_gathered_format_still_loads(shard: str, tmp_path: Path) -> None:
+    """A file whose DiLoCo part is the gathered form (how checkpoints with a GTP inner and a fragment in
+    flight were written before the rank-local layout: no ``inflight_avg`` keys) loads bit for bit once the
+    template is fitted to the file's keys, at the same layout and at GTP 2 -> 1."""
+    path = str(tmp_path / "ckpt")
+    saved = run_ranks(_save_or_load, 4, _config(shard, 4, "gtp", 2, "adamw"), path, True, True, timeout=180)
+    ref = saved[0]["state"]
+    assert ref["diloco.inflight"] is not None
+    for world, gtp in ((4, 2), (2, 0)):
+        loaded = run_ranks(_save_or_load, world, _config(shard, world, "gtp", gtp, "adamw"), path, False, True,
+                           timeout=180)
+        for r in loaded:
+            assert r["fitted_keys"] == []  # the template's inflight_avg keys were dropped
+            assert r["after_in_flight"] == ref["diloco.inflight"][0]
+            assert_same_state(r["state"], ref)

@@ -185,6 +185,11 @@ class Strategy:
         for p in self.model.parameters():
             p.grad = None
 
+    def fit_resume_template(self, state: dict[str, Any], saved_keys: set[str]) -> None:
+        """Adapt the load template ``state`` (a fresh :meth:`state_dict`) to the checkpoint about to be
+        loaded, whose flattened DCP keys (relative to this strategy's state) are ``saved_keys``: a layout
+        that changed what it writes keeps loading the files of its earlier form. Default: nothing."""
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Apply ``state`` (a :meth:`state_dict` filled in by ``dcp.load``) to the model and optimizer."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict

@@ -278,6 +278,11 @@ class DilocoStrategy(Strategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._ckpt_layout().load_state_dict(state)
 
+    def fit_resume_template(self, state: dict[str, Any], saved_keys: set[str]) -> None:
+        """Files of the first rank-local-less format kept a GTP inner's in-flight fragment in the
+        ``inflight`` blob: :meth:`lowband.diloco.state.DilocoCheckpoint.fit_template`."""
+        self._ckpt_layout().fit_template(state, saved_keys)
+
     def prepare_resume(self) -> None:
         self.inner.prepare_resume()
 
