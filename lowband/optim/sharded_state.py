@@ -29,8 +29,8 @@ always has every key.
 Communication: :class:`ShardedStateLayout`'s ``state_dict`` / ``load_state_dict`` issue none (DCP's own
 planning collectives only: metadata, no tensor data); each rank holds at most one saved chunk (16 MiB)
 beyond its own state while saving, and about twice that while loading. Its
-:meth:`~ShardedStateLayout.logical_state_dict` (whole tensors, for DiLoCo's checkpoint of a sharded inner
-and for inspection) and :meth:`ShardedOptimizer.state_dict` (``Shard(0)`` chunks) gather the state with
+:meth:`~ShardedStateLayout.logical_state_dict` (whole tensors, for inspection and tests; DiLoCo's
+checkpoint uses the rank-local form) and :meth:`ShardedOptimizer.state_dict` (``Shard(0)`` chunks) gather the state with
 :meth:`ShardedOptimizer.full_state_dict` (one all-gather per state tensor per unit, ``tag="state"``), and
 :meth:`ShardedOptimizer.load_state_dict` gathers each ``Shard(0)`` DTensor back with one all-gather per
 dtype (``tag="state"``); those briefly hold the full optimizer state on every rank.
@@ -167,7 +167,7 @@ class ShardedStateLayout:
 
     ``load_state_dict(state)`` (no communication) applies such a dict after ``dcp.load`` filled it (values
     already in place are left as they are), or one holding plain full tensors in the same keys (the
-    gathered form of :meth:`logical_state_dict`, e.g. from :class:`lowband.diloco.state.DilocoCheckpoint`):
+    gathered form of :meth:`logical_state_dict`, or files DiLoCo's checkpoint wrote before it was rank-local):
     it takes this rank's part of each. Parameters are named by ``model.named_parameters()`` (a tied
     parameter by its first name). See the module docstring for the per-parameter keys.
     """
@@ -262,7 +262,7 @@ class ShardedStateLayout:
         """The same keys as :meth:`state_dict` with every state tensor whole (the parameter's shape) and
         every value a copy: ``ShardedOptimizer.logical_state_dict`` (collective: one all-gather per state
         tensor per unit, ``tag="state"``; every rank holds the whole optimizer state meanwhile). For
-        :class:`lowband.diloco.state.DilocoCheckpoint` and for inspection; :meth:`load_state_dict` takes it."""
+        inspection and tests; :meth:`load_state_dict` takes it."""
         full = self.optimizer.logical_state_dict()
         optim: dict[str, Any] = {}
         for idx, st in full["state"].items():

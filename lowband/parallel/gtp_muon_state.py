@@ -17,7 +17,7 @@ rank and nothing elsewhere; replicated parameters' state and scalars are plain t
 every rank; DCP writes them once). ``dcp.load`` into a fresh :meth:`~GTPMuonStateLayout.state_dict`
 reads only the chunks overlapping what this rank owns now (ownership may differ from the saving run's,
 e.g. 2 -> 4 GTP ranks). :meth:`~GTPMuonStateLayout.logical_state_dict` is the gathered form (every
-tensor whole, the same on every rank; for DiLoCo's checkpoint of a GTP inner);
+tensor whole, the same on every rank; for inspection and tests);
 :meth:`~GTPMuonStateLayout.load_state_dict` takes either, and files of the earlier gathered format.
 
 Communication: :meth:`~GTPMuonStateLayout.state_dict` and :meth:`~GTPMuonStateLayout.load_state_dict`

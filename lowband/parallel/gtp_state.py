@@ -22,8 +22,8 @@ the saved chunks overlapping this rank's real rows, at any GTP degree; the file 
 ``single``/``ddp`` (one logical tensor per key), so each loads the other's.
 
 :meth:`GTPStateLayout.logical_state_dict` is the gathered form: the same keys with every GTP tensor
-all-gathered to the whole logical tensor (the same on every rank); for DiLoCo's checkpoint of a GTP inner
-and for inspection. :meth:`GTPStateLayout.load_state_dict` takes either (and files of the earlier
+all-gathered to the whole logical tensor (the same on every rank); for inspection and tests (DiLoCo's
+checkpoint uses the rank-local form). :meth:`GTPStateLayout.load_state_dict` takes either (and files of the earlier
 gathered format, which are plain logical tensors under the same keys): it copies this rank's real rows
 into its padded shard, padding rows zero.
 
@@ -196,7 +196,7 @@ class GTPStateLayout:
     def logical_state_dict(self) -> dict[str, Any]:
         """The keys of :meth:`state_dict` with every GTP tensor all-gathered to the whole logical tensor, a
         copy (collective: one all-gather per GTP tensor over its GTP group, tag ``"gtp:state"``; every rank
-        holds them whole). For DiLoCo's checkpoint of a GTP inner and for inspection;
+        holds them whole). For inspection and tests;
         :meth:`load_state_dict` takes it."""
         return self._convert(gather_logical)
 

@@ -260,7 +260,7 @@ class DilocoStrategy(Strategy):
             per = m.shape.dp * m.shape.gtp
             inner = None if self.cfg.diloco.inner == "ddp" else self.inner
             self._ckpt = DilocoCheckpoint(self.unwrapped(), self.optimizer, self.diloco, m.shape.replica, per,
-                                          m.coords.replica, inner=inner, inner_comm=m.dp)
+                                          m.coords.replica, inner=inner)
         return self._ckpt
 
     def checkpoint_format(self) -> str | None:

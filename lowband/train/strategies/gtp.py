@@ -227,8 +227,8 @@ class GTPStrategy(Strategy):
 
     def logical_state_dict(self) -> dict[str, Any]:
         """:meth:`state_dict`'s keys with whole tensors (collective over the GTP group, tag ``gtp:state``):
-        what DiLoCo's checkpoint of a GTP inner stores, and for inspection; :meth:`load_state_dict` takes it
-        too."""
+        for inspection and tests (DiLoCo's checkpoint stores the rank-local :meth:`state_dict`);
+        :meth:`load_state_dict` takes it too."""
         return self._layout.logical_state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -139,8 +139,9 @@ class _ShardedBase(Strategy):
         return self._ckpt_layout().state_dict()
 
     def logical_state_dict(self) -> dict[str, Any]:
-        """:meth:`state_dict`'s keys with whole tensors (collective, ``tag="state"``): what DiLoCo's
-        checkpoint of a sharded inner stores, and for inspection; :meth:`load_state_dict` takes it too."""
+        """:meth:`state_dict`'s keys with whole tensors (collective, ``tag="state"``): for inspection and
+        tests (DiLoCo's checkpoint stores the rank-local :meth:`state_dict`); :meth:`load_state_dict` takes it
+        too."""
         return self._ckpt_layout().logical_state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
