@@ -37,8 +37,10 @@ def test_demo_config_loads_and_round_trips(tmp_path: Path) -> None:
     (["--strategy.name=single"], r"'single' needs between 1 and 1 ranks; run.world_size is 2"),
     (["model.n_layer=2"], r"bad override"),
     (["--strategy.name=ddp", "--strategy.grad_wire_dtype=fp8"],
-     r"'fp8' \(block-scaled fp8 gradients\) is implemented for sharded-adamw, sharded-muon and gtp only; "
-     r"strategy.name is 'ddp'"),
+     r"'fp8' \(block-scaled fp8 gradients\) is implemented for sharded-adamw, sharded-muon and gtp \(and "
+     r"diloco.inner = sharded-\*\) only; strategy.name is 'ddp'"),
+    (["--strategy.name=diloco", "--diloco.inner=ddp", "--strategy.grad_wire_dtype=fp8"],
+     r"strategy.name is 'diloco': use float32 or bfloat16"),
     (["--strategy.name=tp", "--strategy.grad_wire_dtype=fp8"], r"strategy.name is 'tp': use float32 or bfloat16"),
     (["--strategy.name=gtp", "--gtp.size=1", "--strategy.grad_wire_dtype=fp8"],
      r"with strategy gtp needs gtp.size = 0 or run.world_size \(2\), got 1"),
@@ -52,6 +54,12 @@ def test_bad_overrides(overrides: list[str], match: str) -> None:
 def test_fp8_gradients_are_accepted_by_the_sharded_strategies(name: str) -> None:
     cfg = load_config(ROOT / "configs" / "demo.toml", [f"--strategy.name={name}", "--strategy.grad_wire_dtype=fp8"])
     assert cfg.strategy.grad_wire_dtype == "fp8"
+
+
+def test_fp8_gradients_are_accepted_by_diloco_with_a_sharded_inner() -> None:
+    cfg = load_config(ROOT / "configs" / "demo.toml", ["--strategy.name=diloco", "--diloco.inner=sharded-adamw",
+                                                       "--diloco.num_replicas=1", "--strategy.grad_wire_dtype=fp8"])
+    assert cfg.diloco.inner == "sharded-adamw" and cfg.strategy.grad_wire_dtype == "fp8"
 
 
 def test_bad_toml_types(tmp_path: Path) -> None:

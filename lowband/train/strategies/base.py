@@ -77,8 +77,8 @@ class Strategy:
                               f"ranks; run.world_size is {world_size}")
         if cfg.strategy.grad_wire_dtype == "fp8" and not cls.accepts_fp8_grads(cfg):
             raise ConfigError(f"strategy.grad_wire_dtype = 'fp8' (block-scaled fp8 gradients) is implemented for "
-                              f"sharded-adamw, sharded-muon and gtp only; strategy.name is "
-                              f"{cls.name!r}: use float32 or bfloat16")
+                              f"sharded-adamw, sharded-muon and gtp (and diloco.inner = sharded-*) only; "
+                              f"strategy.name is {cls.name!r}: use float32 or bfloat16")
 
     @classmethod
     def accepts_fp8_grads(cls, cfg: Config) -> bool:

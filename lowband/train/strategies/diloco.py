@@ -70,6 +70,11 @@ class DilocoStrategy(Strategy):
     config_sections = ("strategy", "diloco")  # + the sections of diloco.inner's strategy (--help-strategy)
 
     @classmethod
+    def accepts_fp8_grads(cls, cfg) -> bool:
+        """fp8 gradients are the inner data parallelism's: a sharded inner reduce-scatters them."""
+        return cfg.diloco.inner in SHARDED_INNER
+
+    @classmethod
     def validate_config(cls, cfg, world_size: int) -> None:
         from lowband.train.config import ConfigError
 
