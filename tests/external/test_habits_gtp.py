@@ -380,7 +380,7 @@ def test_grad_scaler_overflow_without_sharing_diverges() -> None:
 
 
 # ------------------------------------------------------------------ nanoGPT resume with torch AdamW over GTP shards
-def _resume(path: str, habit: str) -> dict:
+def _resume(path: str, habit: str, muon: bool = False) -> dict:
     """Train 2 steps, checkpoint the optimizer, build a fresh AdamW (the resumed script), load, train 2 more.
 
     ``habit="nanogpt"``: every rank ``opt.state_dict()``, rank 0 ``torch.save``s it, every rank loads it.
@@ -388,8 +388,21 @@ def _resume(path: str, habit: str) -> dict:
     ``habit="dcp"``: ``GTPStateLayout`` + ``torch.distributed.checkpoint`` (the reshardable way)."""
     cfg = OutsideConfig(tie=True)
     model = _model(cfg)
-    _shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    rt = _shard(model)
+
+    def make_opt() -> torch.optim.Optimizer:
+        if not muon:
+            return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+        from lowband.optim.gtp_muon import GTPMuon
+        from lowband.parallel.gtp import is_gtp_param
+
+        mats = [p for n, p in model.named_parameters() if is_gtp_param(p) and ".h." in n]
+        ids = {id(p) for p in mats}
+        rest = [p for p in model.parameters() if id(p) not in ids]
+        return GTPMuon([{"params": mats, "algorithm": "muon", "lr": 0.05}, {"params": rest, "algorithm": "adamw"}],
+                       rt.comm, lr=LR, weight_decay=WD, ns_dtype=torch.float64)
+
+    opt = make_opt()
     rank = dist.get_rank()
     ledger = default_ledger()
     checks: list[int] = []  # "gtp:optim_state" collectives per optimizer.step()
@@ -417,7 +430,7 @@ def _resume(path: str, habit: str) -> dict:
         else:
             torch.save({"optimizer": sd}, mine)
     dist.barrier()  # test bookkeeping: the files exist
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    opt = make_opt()
     if habit == "dcp":
         layout = GTPStateLayout(model, opt)
         sd = layout.state_dict()
@@ -435,8 +448,10 @@ def _resume(path: str, habit: str) -> dict:
     return {"error": None, "params": _logical(model), "checks": checks}
 
 
-def test_nanogpt_resume_of_rank0s_torch_optimizer_state_is_refused_on_every_rank(tmp_path) -> None:
-    res = run_ranks(_resume, 2, str(tmp_path / "ckpt.pt"), "nanogpt")
+@pytest.mark.parametrize("muon", [False, True])
+def test_nanogpt_resume_of_rank0s_torch_optimizer_state_is_refused_on_every_rank(tmp_path, muon: bool) -> None:
+    """torch AdamW over GTP shards, and GTPMuon (whole-matrix momenta on their owners, AdamW on the rest)."""
+    res = run_ranks(_resume, 2, str(tmp_path / "ckpt.pt"), "nanogpt", muon)
     msgs = {r["error"] for r in res}
     assert len(msgs) == 1 and None not in msgs  # the same line on every rank, rank 0 (own state) included
     msg = msgs.pop()
