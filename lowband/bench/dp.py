@@ -193,9 +193,11 @@ CONTENDERS: dict[str, Callable[[Config, DistEnv, Batches], Contender]] = {
     "fsdp2-muon": _lazy("lowband.bench.dp_torch", "fsdp2_muon_contender"),
 }
 
-DEFAULT_CONTENDERS: tuple[str, ...] = tuple(n for n in CONTENDERS if n != "sharded-adamw-fp8")
-"""The full comparison of docs/PERFORMANCE.md's dp section: every registered contender but the fp8-gradient
-one (issue 24; run it by name, ``--contenders ddp,sharded-adamw,sharded-adamw-fp8``)."""
+NAMED_ONLY: tuple[str, ...] = ("sharded-adamw-fp8",)
+"""Contenders run only when named (issue 24's fp8 gradients: ``--contenders ddp,sharded-adamw,sharded-adamw-fp8``)."""
+
+DEFAULT_CONTENDERS: tuple[str, ...] = tuple(n for n in CONTENDERS if n not in NAMED_ONLY)
+"""The full comparison of docs/PERFORMANCE.md's dp section: every registered contender but :data:`NAMED_ONLY`."""
 
 COMPILED: dict[str, Callable[[Config, DistEnv, Batches], Contender]] = {
     "ddp-compiled": StrategyContender("ddp", "ddp-compiled", {"run": {"compile": True}}),

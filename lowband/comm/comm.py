@@ -235,6 +235,22 @@ class Comm:
     def __repr__(self) -> str:
         return f"Comm(name={self.name!r}, rank={self.rank}, size={self.size}, backend={self.backends!r})"
 
+    def __copy__(self) -> Comm:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> Comm:
+        """A ``Comm`` is a handle to a process group: copies of a model that holds one (an EMA copy of a
+        tensor-parallel model: ``copy.deepcopy(model)``) share it, so the copy's layers communicate over
+        the same group (every rank of it must run the copy, as for the original)."""
+        memo[id(self)] = self
+        return self
+
+    def __reduce__(self) -> tuple:
+        raise TypeError(f"lowband.comm.Comm {self.name!r} is a handle to a process group and cannot be pickled "
+                        "(e.g. torch.save(model) of a model holding tensor-parallel or GTP layers); save "
+                        "state_dict()s instead (lowband.parallel.unsharded_copy(model).state_dict() for a plain "
+                        "model)")
+
     # ---------------------------------------------------------------------------- private groups
     @property
     def timeout(self) -> timedelta | None:

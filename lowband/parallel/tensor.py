@@ -44,6 +44,7 @@ same seed) to build the same dense layer; :meth:`from_dense` slices an existing 
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 from typing import Any
 
@@ -313,7 +314,35 @@ def _dense_init(out_features: int, in_features: int, bias: bool, dtype: torch.dt
     return w, b
 
 
-class ColumnParallelLinear(nn.Module):
+_TP_PARAM_ATTRS = ("partition_dim", "tp_comm", "full_shape", "tp_sections", "tp_param_name", "tp_check_grad_edits",
+                   "tp_share_nonfinite")
+
+
+class _CopyKeepsLayout:
+    """``copy.deepcopy`` of a TP layer (an EMA copy of the model) keeps its parameters' TP layout.
+
+    ``torch.nn.Parameter``'s own deep copy drops Python attributes, so the copied slices would lose
+    ``partition_dim``, ``tp_comm`` ... (and with them the global clip and :func:`unsharded_copy`). The copy
+    shares the layer's TP group (:meth:`lowband.comm.Comm.__deepcopy__`), so every rank of the group must
+    run it, as for the original; its slices' gradients are watched like the original's."""
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        cls = type(self)
+        new = cls.__new__(cls)
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            object.__setattr__(new, k, copy.deepcopy(v, memo))
+        for name, p in self.named_parameters(recurse=False):  # type: ignore[attr-defined]
+            q = getattr(new, name)
+            for attr in _TP_PARAM_ATTRS:
+                if hasattr(p, attr):
+                    setattr(q, attr, getattr(p, attr))
+            if getattr(q, "partition_dim", None) is not None:
+                track(q)
+        return new
+
+
+class ColumnParallelLinear(_CopyKeepsLayout, nn.Module):
     """``Y = X W^T + b`` with ``W`` split by rows (output features) over the TP group.
 
     Args:
@@ -378,7 +407,7 @@ class ColumnParallelLinear(nn.Module):
                 f"(local {self.weight.shape[0]}), tp={self.tp_comm.size}, gather_output={self.gather_output}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_CopyKeepsLayout, nn.Module):
     """``Y = X W^T + b`` with ``W`` split by columns (input features) over the TP group.
 
     Args:

@@ -20,6 +20,8 @@ lowband way:
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -39,6 +41,7 @@ CLIP_VALUE = 1e-3
 ACCUM = 2
 TP = 2
 INF_AT = 1  # the step whose gradient overflows in the scaler_inf runs
+EMA = 0.9
 
 
 def _tp_run(habit: str, check_grad_edits: bool = True, share_nonfinite: bool = True) -> dict:
@@ -49,6 +52,7 @@ def _tp_run(habit: str, check_grad_edits: bool = True, share_nonfinite: bool = T
              share_nonfinite=share_nonfinite)
     wrapped = TPInputGather(model, mesh.tp)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    ema = copy.deepcopy(model) if habit == "ema" else None  # the copy keeps the TP layout and group
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if habit.startswith("scaler") else None
     accum = ACCUM if habit == "accum" else 1
     armed = [False]
@@ -87,18 +91,26 @@ def _tp_run(habit: str, check_grad_edits: bool = True, share_nonfinite: bool = T
             assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))  # nothing stepped
             return {"error": str(e)}
         opt.zero_grad(set_to_none=habit != "accum")
+        if ema is not None:
+            with torch.no_grad():
+                for pe, p in zip(ema.parameters(), model.parameters(), strict=True):
+                    pe.lerp_(p, 1 - EMA)
     plain = unsharded_copy(model)
     out = {"params": {n: p.detach().clone() for n, p in plain.named_parameters()}}
+    if ema is not None:
+        out["ema"] = {n: p.detach().clone() for n, p in unsharded_copy(ema).named_parameters()}
     if scaler is not None:
         out["scale"] = float(scaler.get_scale())
     return out
 
 
-def _reference(world: int, habit: str) -> dict[str, torch.Tensor]:
-    """DDP + torch: an overflow anywhere in the gradient (``scaler_inf``) makes every rank skip its step."""
+def _reference(world: int, habit: str, ema_out: dict | None = None) -> dict[str, torch.Tensor]:
+    """DDP + torch: an overflow anywhere in the gradient (``scaler_inf``) makes every rank skip its step.
+    ``ema_out``: filled with the EMA copy's parameters (``copy.deepcopy`` + ``lerp_`` after each step)."""
     cfg = OutsideConfig(tie=True)
     model = seeded_model(SEED, 0, cfg, torch.float64)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    ema = copy.deepcopy(model)
     lanes = lanes_of(world, TP)
     for step in range(1, STEPS + 1):
         if habit == "scaler_inf" and step == INF_AT:
@@ -116,6 +128,11 @@ def _reference(world: int, habit: str) -> dict[str, torch.Tensor]:
             torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for pe, p in zip(ema.parameters(), model.parameters(), strict=True):
+                pe.lerp_(p, 1 - EMA)
+    if ema_out is not None:
+        ema_out.update({n: p.detach().clone() for n, p in ema.named_parameters()})
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -168,3 +185,15 @@ def test_grad_scaler_overflow_without_sharing_diverges() -> None:
     res = run_ranks(_tp_run, 2, "scaler_inf", True, False)
     assert [r["scale"] for r in res] == [2.0**10, 2.0**9]
     assert any(not torch.equal(res[0]["params"][k], res[1]["params"][k]) for k in res[0]["params"])
+
+
+def test_ema_deepcopy_of_a_tp_model_is_exact() -> None:
+    """``ema = copy.deepcopy(model)`` of the TP model (the copy keeps its slices' layout and the TP group),
+    ``lerp_`` after every step, gathered with ``unsharded_copy``: equal to DDP's EMA."""
+    res = run_ranks(_tp_run, 2, "ema")
+    ema_ref: dict = {}
+    _assert_exact(res, _reference(2, "ema", ema_ref))
+    for r, got in enumerate(res):
+        assert got["ema"].keys() == ema_ref.keys()
+        for k, v in ema_ref.items():
+            torch.testing.assert_close(got["ema"][k], v, rtol=0, atol=TOL, msg=f"ema {k} rank {r}")
