@@ -235,6 +235,27 @@ def inflight_keys(dl: StreamingDiLoCo) -> bool:
     return dl.state_layout is not None and dl.delay > 0
 
 
+def _outer_entries(dl: StreamingDiLoCo, i: int, convert: Any) -> dict[str, Any]:
+    """Fragment ``i``'s outer-optimizer state: per parameter the SGD momentum (``convert(name, tensor)``:
+    rank-local chunks or the logical tensor), or another outer optimizer's serialized ``state_dict()``."""
+    frag, gs, outer = dl.frags[i], dl.globals[i], dl.outer[i]
+    out: dict[str, Any] = {}
+    if _is_sgd(outer):
+        if any(grp["momentum"] != 0 for grp in outer.param_groups):
+            for name, g in zip(frag.names, gs, strict=True):
+                mom = outer.state.get(g, {}).get("momentum_buffer")
+                out[f"outer.{name}.momentum_buffer"] = convert(name, mom.detach() if mom is not None
+                                                               else torch.zeros_like(g))
+        return out
+    if dl.state_layout is not None and dl.state_layout.weights:
+        raise RuntimeError("diloco state_dict: outer optimizers other than torch.optim.SGD are saved as "
+                           "their serialized state, which cannot hold sharded (GTP) parameters")
+    buf = io.BytesIO()
+    torch.save(outer.state_dict(), buf)
+    out[f"outer_opt.{i}"] = buf.getvalue()
+    return out
+
+
 @torch.no_grad()
 def diloco_state_dict(dl: StreamingDiLoCo, *, rank_local: bool = False) -> dict[str, Any]:
     """The state of ``dl`` in the format of this module (see the module docstring).
@@ -266,19 +287,7 @@ def diloco_state_dict(dl: StreamingDiLoCo, *, rank_local: bool = False) -> dict[
         out[f"outer_started.{i}"] = any(bool(outer.state.get(g)) for g in gs)
         for name, g in zip(frag.names, gs, strict=True):
             out[f"global.{name}"] = _chunks(dl, name, g.detach())
-        if _is_sgd(outer):
-            if any(grp["momentum"] != 0 for grp in outer.param_groups):
-                for name, g in zip(frag.names, gs, strict=True):
-                    mom = outer.state.get(g, {}).get("momentum_buffer")
-                    out[f"outer.{name}.momentum_buffer"] = _chunks(dl, name, mom.detach() if mom is not None
-                                                                   else torch.zeros_like(g))
-        else:
-            if dl.state_layout is not None and dl.state_layout.weights:
-                raise RuntimeError("diloco state_dict: outer optimizers other than torch.optim.SGD are saved as "
-                                   "their serialized state, which cannot hold sharded (GTP) parameters")
-            buf = io.BytesIO()
-            torch.save(outer.state_dict(), buf)
-            out[f"outer_opt.{i}"] = buf.getvalue()
+        out.update(_outer_entries(dl, i, lambda name, t: _chunks(dl, name, t)))
         if per_param:
             device = frag.params[0].device
             mine = infl is not None and infl.fragment == i
@@ -312,19 +321,7 @@ def _logical_state_dict(dl: StreamingDiLoCo) -> dict[str, Any]:
         out[f"outer_started.{i}"] = any(bool(outer.state.get(g)) for g in gs)
         for name, g in zip(frag.names, gs, strict=True):
             out[f"global.{name}"] = _logical(dl, name, g.detach().clone())
-        if _is_sgd(outer):
-            if any(grp["momentum"] != 0 for grp in outer.param_groups):
-                for name, g in zip(frag.names, gs, strict=True):
-                    mom = outer.state.get(g, {}).get("momentum_buffer")
-                    out[f"outer.{name}.momentum_buffer"] = _logical(dl, name, mom.detach().clone() if mom is not None
-                                                                    else torch.zeros_like(g))
-        else:
-            if dl.state_layout is not None and dl.state_layout.weights:
-                raise RuntimeError("diloco state_dict: outer optimizers other than torch.optim.SGD are saved as "
-                                   "their serialized state, which cannot hold sharded (GTP) parameters")
-            buf = io.BytesIO()
-            torch.save(outer.state_dict(), buf)
-            out[f"outer_opt.{i}"] = buf.getvalue()
+        out.update(_outer_entries(dl, i, lambda name, t: _logical(dl, name, t.clone())))
         res = dl.residuals[i]
         if res is not None:
             assert layout is not None

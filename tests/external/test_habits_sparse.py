@@ -24,6 +24,7 @@ from lowband.optim import ShardedAdamW
 from lowband.optim.sparse_rows import sparse_tables_from_plan
 from lowband.testing import run_ranks
 from tests.external.outside_gpt import OutsideConfig, outside_plan, random_batch, seeded_model
+from tests.external.test_habits_gtp import _OVERFLOW, _overflow_hook  # an inf in one row of wte's gradient
 
 TOL = 1e-10
 SEED = 5
@@ -31,22 +32,6 @@ LR, WD, BETAS = 1e-2, 0.1, (0.9, 0.95)
 BATCH = 2
 MAX_NORM = 0.05
 STEPS, INF_AT = 4, 1
-_OVERFLOW = [False]
-
-
-def _overflow_hook(_mod, _inp, out: torch.Tensor) -> None:
-    """Forward hook on ``wte``: when armed, the gradient reaching its output gets an inf at the first
-    position, so the overflow lands in one row of the table's gradient only, as a local fp16 overflow
-    would (nothing downstream sees it)."""
-    if _OVERFLOW[0]:
-        def put_inf(g: torch.Tensor) -> torch.Tensor:
-            g = g.clone()
-            g[0, 0, 0] = float("inf")
-            return g
-
-        out.register_hook(put_inf)
-
-
 def _params(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
