@@ -110,7 +110,8 @@ def _share_nonfinite() -> None:
     for key, (comm, refs) in list(_BY_COMM.items()):  # creation order: the same on every rank
         if key not in fired:
             continue
-        params = [p for p in (r() for r in refs) if p is not None and getattr(p, "tp_share_nonfinite", True)]
+        params = [p for p in (r() for r in refs) if p is not None and getattr(p, "tp_share_nonfinite", True)
+                  and getattr(p, "gtp", None) is None]  # a GTP shard is GTP's (GTPRuntime.share_nonfinite)
         if not params:
             continue
         device = params[0].device
