@@ -35,6 +35,7 @@ from tests.distributed.test_checkpoint_diloco import _run as _ckpt_run
 from tests.distributed.test_checkpoint_diloco import assert_same_state, diloco_config
 
 TOL = 1e-10
+TIMEOUT = 600  # a hang guard, not a speed limit (three tests here failed at a load average of 60-90 with 180 s)
 
 
 def _config(shard: str, world: int, inner: str, *, steps: int = 8, gtp: int = 0, optimizer: str = "adamw") -> Config:
@@ -87,8 +88,8 @@ def _reference(shard: str, reference: str) -> tuple[list[dict], int]:
     """The reference run and its ranks per replica: ``ddp`` = DDP + AdamW (2 x dp 2); ``muon`` = the sharded
     optimizer over one rank per replica (single-device Muon; 2 ranks, twice the batch per rank)."""
     if reference == "ddp":
-        return run_ranks(_worker, 4, _config(shard, 4, "ddp"), timeout=180), 2
-    return run_ranks(_worker, 2, _config(shard, 2, "sharded-muon"), timeout=180), 1
+        return run_ranks(_worker, 4, _config(shard, 4, "ddp"), timeout=TIMEOUT), 2
+    return run_ranks(_worker, 2, _config(shard, 2, "sharded-muon"), timeout=TIMEOUT), 1
 
 
 INNERS = [("sharded-adamw", 0, "adamw", "ddp"), ("sharded-muon", 0, "adamw", "muon"), ("gtp", 2, "adamw", "ddp"),
@@ -99,7 +100,7 @@ INNERS = [("sharded-adamw", 0, "adamw", "ddp"), ("sharded-muon", 0, "adamw", "mu
                          ids=["sharded-adamw", "sharded-muon", "gtp2-adamw", "gtp2-muon", "gtp1-dp2-adamw"])
 def test_inner_equals_replicated_reference(shard: str, name: str, gtp: int, opt: str, reference: str) -> None:
     inner = f"{name} gtp={gtp} {opt}"
-    out = run_ranks(_worker, 4, _config(shard, 4, name, gtp=gtp, optimizer=opt), timeout=180)
+    out = run_ranks(_worker, 4, _config(shard, 4, name, gtp=gtp, optimizer=opt), timeout=TIMEOUT)
     ref, ref_per = _reference(shard, reference)
     for rank, res in enumerate(out):
         want = ref[(rank // 2) * ref_per]  # a rank of the same replica in the reference run
@@ -128,7 +129,7 @@ def test_outer_all_reduce_bytes_per_fragment(shard: str, inner: str, wire: str) 
     codec never mixes them and the replicated parameters stay bitwise equal on the replica's GTP ranks."""
     cfg = _config(shard, 4, inner, gtp=2 if inner == "gtp" else 0)
     cfg.diloco.wire = wire
-    out = run_ranks(_worker, 4, cfg, timeout=180)
+    out = run_ranks(_worker, 4, cfg, timeout=TIMEOUT)
     d = cfg.diloco
     codec, replicas = get_wire(wire, d.block_size, d.topk_chunk, d.topk_k), 2
     two_phase = wire == "fp32"
@@ -184,12 +185,12 @@ def test_resume_is_bitwise_exact(shard: str, tmp_path: Path, inner: str, gtp: in
     """2 replicas x 2 inner ranks; checkpoint after step 3 (a fragment in flight), resume, 3 more steps:
     losses and the whole checkpoint state bit for bit equal to the uninterrupted 6 steps."""
     kw = dict(gtp=gtp, optimizer=optimizer)
-    full = run_ranks(_ckpt_run, 4, _ckpt_config(shard, inner, **kw), timeout=180)
+    full = run_ranks(_ckpt_run, 4, _ckpt_config(shard, inner, **kw), timeout=TIMEOUT)
     cfg = _ckpt_config(shard, inner, ckpt_dir=str(tmp_path), every=3, **kw)
-    first = run_ranks(_ckpt_run, 4, cfg, stop_after=3, timeout=180)
+    first = run_ranks(_ckpt_run, 4, cfg, stop_after=3, timeout=TIMEOUT)
     assert [c.step for c in list_checkpoints(tmp_path)] == [3]
     assert first[0]["state"]["diloco.inflight"] is not None
-    second = run_ranks(_ckpt_run, 4, cfg, timeout=180)
+    second = run_ranks(_ckpt_run, 4, cfg, timeout=TIMEOUT)
     for r in range(4):
         assert first[r]["start"] == 0 and second[r]["start"] == 3
         assert {**first[r]["losses"], **second[r]["losses"]} == full[r]["losses"]  # exact
@@ -205,10 +206,10 @@ def test_gtp_inner_checkpoint_loads_at_another_gtp_size(shard: str, tmp_path: Pa
     """2 replicas x gtp 2 (4 ranks) -> 2 replicas x gtp 1 (2 ranks), a fragment in flight: the state is
     logical (whole weights, whole global copies), so it loads bit for bit into the other GTP size."""
     saved = run_ranks(_ckpt_run, 4, _ckpt_config(shard, "gtp", gtp=2, ckpt_dir=str(tmp_path), every=3),
-                      stop_after=3, timeout=180)
+                      stop_after=3, timeout=TIMEOUT)
     cfg = diloco_config(shard, 2, replicas=2, ckpt_dir=str(tmp_path), every=3)
     cfg.diloco.inner = "gtp"
-    loaded = run_ranks(_ckpt_run, 2, cfg, stop_after=3, timeout=180)
+    loaded = run_ranks(_ckpt_run, 2, cfg, stop_after=3, timeout=TIMEOUT)
     assert saved[0]["state"]["diloco.inflight"] is not None
     for r in range(2):
         assert loaded[r]["start"] == 3
@@ -220,9 +221,9 @@ def test_format_names_the_inner_strategy(shard: str, tmp_path: Path) -> None:
     from tests.distributed.test_checkpoint_diloco import _refused
 
     run_ranks(_ckpt_run, 4, _ckpt_config(shard, "sharded-muon", steps=2, ckpt_dir=str(tmp_path), every=2),
-              timeout=180)
+              timeout=TIMEOUT)
     out = run_ranks(_refused, 4, _ckpt_config(shard, "gtp", gtp=2, steps=4, ckpt_dir=str(tmp_path), every=2),
-                    timeout=180)
+                    timeout=TIMEOUT)
     assert out[0] == out[3]
     assert "'diloco-r2-sharded-muon-v1'" in out[0] and "'diloco-r2-gtp-adamw-v1'" in out[0]
 
@@ -274,11 +275,11 @@ def test_compose_config_trains_and_resumes(shard: str, tmp_path: Path) -> None:
     (a fragment in flight, error-feedback residuals per replica, GTP-sharded state) resumes bit for bit."""
     cfg = _compose_config(shard, str(tmp_path / "full"), **{"checkpoint.every": 0})
     assert (cfg.diloco.inner, cfg.gtp.optimizer, cfg.diloco.wire) == ("gtp", "muon", "topk-int2")
-    full = run_ranks(_ckpt_run, 4, cfg, timeout=180)
+    full = run_ranks(_ckpt_run, 4, cfg, timeout=TIMEOUT)
     cfg = _compose_config(shard, str(tmp_path / "ckpt"))
-    first = run_ranks(_ckpt_run, 4, cfg, stop_after=3, timeout=180)
+    first = run_ranks(_ckpt_run, 4, cfg, stop_after=3, timeout=TIMEOUT)
     assert first[0]["state"]["diloco.inflight"] is not None
-    second = run_ranks(_ckpt_run, 4, cfg, timeout=180)
+    second = run_ranks(_ckpt_run, 4, cfg, timeout=TIMEOUT)
     for r in range(4):
         losses = full[r]["losses"]
         assert sorted(losses) == list(range(1, 9)) and all(math.isfinite(v) for v in losses.values())
@@ -314,8 +315,8 @@ def test_sparse_bigram_table_inside_sharded_muon_replicas(shard: str) -> None:
             c.sparse.tables, c.sparse.mode = ["bigram"], "sparse"
         return c
 
-    dense = run_ranks(_sparse_worker, 4, cfg(False), timeout=180)
-    sparse = run_ranks(_sparse_worker, 4, cfg(True), timeout=180)
+    dense = run_ranks(_sparse_worker, 4, cfg(False), timeout=TIMEOUT)
+    sparse = run_ranks(_sparse_worker, 4, cfg(True), timeout=TIMEOUT)
     for d, s in zip(dense, sparse, strict=True):
         assert s["committed"] == d["committed"] == 4
         assert "bigram.weight" in s["params"]

@@ -223,7 +223,9 @@ def test_dead_or_hung_peer_ends_the_others_with_a_clear_error(shard: str, tmp_pa
             assert rec["type"] == PeerFailureError.__name__, rec
             assert rec["msg"].startswith(f"rank {r} of {world}: a collective failed because a peer process died "
                                          "or stopped responding (process-group timeout run.timeout_s = 5 s)")
-            assert rec["time"] - fault_time < PG_TIMEOUT_S + 10  # within the timeout (+ slack for a busy CPU)
+            # within the timeout, not the 30 minutes of torchrun's default (+ slack: a CPU loaded by other test
+            # runs delays the error's handling; +10 s was too little at a load average of 60)
+            assert rec["time"] - fault_time < PG_TIMEOUT_S + 60
     finally:
         for p in procs:
             if p.is_alive():
