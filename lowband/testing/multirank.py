@@ -18,8 +18,11 @@ thread, and the process-wide comm ledger reset.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import multiprocessing
 import os
 import queue
+import signal
 import tempfile
 import time
 import traceback
@@ -36,7 +39,18 @@ class DistributedTestError(AssertionError):
     """A rank raised, or the ranks did not finish in time."""
 
 
+def _die_with_parent() -> None:
+    """Linux: end this pooled rank with SIGKILL when the process that started it dies (a pytest killed with
+    SIGKILL would otherwise leave its ranks running, some of them spinning in gloo)."""
+    parent = multiprocessing.parent_process()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if parent is not None and os.getppid() != parent.pid:  # it died before the prctl took effect
+        os._exit(1)
+
+
 def _worker(rank: int, world_size: int, tasks: Any, results: Any) -> None:
+    _die_with_parent()
     import torch
     import torch.distributed as dist
 
