@@ -20,7 +20,7 @@ OPTS = {"contenders": "ddp,sharded-adamw,fsdp2,zero", "steps": STEPS, "global_ba
         "eval_every": EVAL_EVERY, "setup_steps": 2, "val_batches": 1, "compute_steps": 2, "target": None,
         "time_cap": 3.0,
         "max_steps_factor": 1, "diloco_sync_every": 4, "diloco_fragments": 2, "threads": 1, "pg_timeout": 60.0,
-        "mtu": 1500, "time_limit": 120.0}
+        "mtu": 1500, "time_limit": 600.0}  # a hang guard: 4 ranks x 4 contenders passed 120 s at a load average of 58
 PARAMS = 320 * 32 * 2 + 256 * 32 + 12 * 32 * 32 + 2 * 32 + 32  # tok_emb + lm_head + bigram + block + norms
 PER_SEG = 66 / 1448
 """Ethernet+IP+TCP(timestamps) header bytes per full 1448-byte segment at MTU 1500."""
