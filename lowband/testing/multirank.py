@@ -111,6 +111,8 @@ class _Pool:
 
 
 _POOLS: dict[int, _Pool] = {}
+STARTUP_RETRIES = [0]
+"""How many calls were retried on fresh processes after a failed process-group start (each replaces a pool)."""
 
 
 def shutdown_pools() -> None:
@@ -159,6 +161,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
     try:
         return _run_ranks_once(fn, world_size, args, kwargs, timeout, pg_timeout)
     except _StartupFailure:
+        STARTUP_RETRIES[0] += 1
         return _run_ranks_once(fn, world_size, args, kwargs, timeout, pg_timeout)
 
 

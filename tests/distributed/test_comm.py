@@ -204,15 +204,18 @@ def _raises_on_rank_one() -> None:
 
 
 def test_harness_reports_failing_rank() -> None:
-    from lowband.testing.multirank import _POOLS
+    from lowband.testing.multirank import _POOLS, STARTUP_RETRIES
 
     assert run_ranks(_rank, 2) == [0, 1]
-    pool = _POOLS[2]
+    pool, retries = _POOLS[2], STARTUP_RETRIES[0]
     with pytest.raises(DistributedTestError, match=r"rank 1 of 2[\s\S]*boom on purpose"):
         run_ranks(_raises_on_rank_one, 2)
-    # both ranks reported back (rank 0 returned, rank 1 raised): the same processes serve the next call
-    assert _POOLS.get(2) is pool and pool.alive()
-    assert run_ranks(_rank, 2) == [0, 1] and _POOLS[2] is pool
+    assert run_ranks(_rank, 2) == [0, 1]
+    # both ranks reported back (rank 0 returned, rank 1 raised): the same processes serve the next call,
+    # unless a process group failed to start under load (gloo's "connection closed by peer"), which
+    # retries on fresh processes
+    if STARTUP_RETRIES[0] == retries:
+        assert _POOLS.get(2) is pool and pool.alive()
 
 
 def _sleep_forever() -> None:
