@@ -365,7 +365,7 @@ def codec_reduce_scatter(comm: Comm, output: torch.Tensor, input: torch.Tensor, 
     if not (input.is_contiguous() and output.is_contiguous()) or not input.is_floating_point():
         raise ValueError("codec_reduce_scatter: input and output must be contiguous float tensors")
     send = codec.encode(_padded_chunks(input.view(n, shard), codec))
-    chunk = _block_multiple(shard, codec)
+    chunk = chunk_layout(shard, 1, codec)
     recv = torch.empty_like(send)
     first = comm.all_to_all(recv, send, async_op=True, tag=tag)
 
@@ -385,15 +385,10 @@ def codec_reduce_scatter(comm: Comm, output: torch.Tensor, input: torch.Tensor, 
     return handle
 
 
-def _block_multiple(numel: int, codec: Codec) -> int:
-    b = codec.block_size
-    return max(b, -(-numel // b) * b)
-
-
 def _padded_chunks(chunks: torch.Tensor, codec: Codec) -> torch.Tensor:
     """``(N, shard)`` -> ``(N, chunk)`` zero-padded to a multiple of the codec's block size."""
     n, shard = chunks.shape
-    chunk = _block_multiple(shard, codec)
+    chunk = chunk_layout(shard, 1, codec)
     if chunk == shard:
         return chunks
     padded = torch.zeros(n, chunk, dtype=chunks.dtype, device=chunks.device)
@@ -414,27 +409,22 @@ def reference_reduce_scatter(inputs: Sequence[torch.Tensor], codec: Codec, op: s
     n = len(inputs)
     shard = inputs[0].numel() // n
     out_dtype = out_dtype or inputs[0].dtype
-    chunk = _block_multiple(shard, codec)
-    acc_dtype = _acc_dtype(out_dtype)
-    outs = []
-    for j in range(n):
-        acc = None
-        for x in inputs:
-            enc = codec.encode(_padded_chunks(x.reshape(n, shard)[j:j + 1], codec))
-            dec = codec.decode(enc, chunk, acc_dtype)[0]
-            acc = dec.clone() if acc is None else acc.add_(dec)
-        assert acc is not None
-        if op == "avg":
-            acc.div_(n)
-        outs.append(acc[:shard].to(out_dtype))
-    return outs
+    chunk = chunk_layout(shard, 1, codec)
+    acc = None
+    for x in inputs:  # rows encode independently: row j is what this rank sends to rank j
+        dec = codec.decode(codec.encode(_padded_chunks(x.reshape(n, shard), codec)), chunk, _acc_dtype(out_dtype))
+        acc = dec if acc is None else acc.add_(dec)
+    assert acc is not None
+    if op == "avg":
+        acc.div_(n)
+    return [acc[j, :shard].to(out_dtype) for j in range(n)]
 
 
 def reduce_scatter_wire_bytes(codec: Codec, shard: int, n: int) -> int:
     """Ledger wire bytes per rank of one :func:`codec_reduce_scatter` of ``n`` chunks of ``shard``."""
     if n == 1:
         return 0
-    return (n - 1) * codec.encoded_nbytes(_block_multiple(shard, codec))
+    return (n - 1) * codec.encoded_nbytes(chunk_layout(shard, 1, codec))
 
 
 WireCodec = Codec | MessageCodec
