@@ -33,6 +33,10 @@ from typing import Any
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("LOWBAND_TEST_TIMEOUT", "120"))
+READY_TIMEOUT_S = 600.0
+"""How long a new pool's rank processes may take to start (spawn and import), outside any call's timeout."""
+MAX_STARTUP_RETRIES = 2
+"""Fresh-process retries of a call whose process group could not be formed."""
 
 
 class DistributedTestError(AssertionError):
@@ -56,6 +60,7 @@ def _worker(rank: int, world_size: int, tasks: Any, results: Any) -> None:
 
     from lowband.comm import default_ledger
 
+    results.put((0, rank, True, None, "ready"))  # imports done: the pool's start waits for this
     while True:
         item = tasks.get()
         if item is None:
@@ -91,6 +96,28 @@ class _Pool:
         for p in self.procs:
             p.start()
         self.calls = 0
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        """Block until every rank has imported torch and lowband (seconds, minutes on a loaded machine), so
+        that a call's process-group timeout covers only its rendezvous and ``fn``, never a slow spawn."""
+        ready: set[int] = set()
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while len(ready) < self.world_size:
+            if time.monotonic() > deadline:
+                self.close(kill=True)
+                raise DistributedTestError(f"{self.world_size} rank processes did not start within "
+                                           f"{READY_TIMEOUT_S:.0f}s (ranks {sorted(ready)} did)")
+            try:
+                _cid, rank, _ok, _value, phase = self.results.get(timeout=1.0)
+            except queue.Empty:
+                if not self.alive():
+                    codes = [p.exitcode for p in self.procs]
+                    self.close(kill=True)
+                    raise DistributedTestError(f"a rank process died while starting (exit codes {codes})") from None
+                continue
+            if phase == "ready":
+                ready.add(rank)
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -155,14 +182,16 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
         DistributedTestError: with the first failing rank's traceback, or on timeout.
 
     If forming the process group itself fails (gloo's TCP mesh set-up occasionally fails with
-    "connection closed by peer" on a loaded machine), the call is retried once on fresh processes;
-    ``fn`` had not started on the rank that reported it.
+    "connection closed by peer" on a loaded machine), the call is retried on fresh processes, up to
+    :data:`MAX_STARTUP_RETRIES` times; ``fn`` had not started on the rank that reported it. A new pool's
+    processes are waited for (:data:`READY_TIMEOUT_S`) before the call's own timeout starts.
     """
-    try:
-        return _run_ranks_once(fn, world_size, args, kwargs, timeout, pg_timeout)
-    except _StartupFailure:
-        STARTUP_RETRIES[0] += 1
-        return _run_ranks_once(fn, world_size, args, kwargs, timeout, pg_timeout)
+    for _attempt in range(MAX_STARTUP_RETRIES):
+        try:
+            return _run_ranks_once(fn, world_size, args, kwargs, timeout, pg_timeout)
+        except _StartupFailure:
+            STARTUP_RETRIES[0] += 1
+    return _run_ranks_once(fn, world_size, args, kwargs, timeout, pg_timeout)
 
 
 def _run_ranks_once(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict,

@@ -425,8 +425,11 @@ def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
         raise ConfigError(f"{key}: expected {tp}, got {value!r}")
     if origin in (list, tuple):
         (arm, *_rest) = typing.get_args(tp) or (str,)
-        if from_cli and isinstance(value, str):
-            value = [v for v in value.split(",") if v != ""]
+        if from_cli and isinstance(value, str):  # a,b  or TOML's spelling [a, "b"]; '' and [] are empty
+            text = value.strip()
+            if text.startswith("[") and text.endswith("]"):
+                text = text[1:-1]
+            value = [v.strip().strip("'\"") for v in text.split(",") if v.strip() != ""]
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         return [_coerce(key, arm, v, from_cli) for v in value]

@@ -175,8 +175,9 @@ OVERRIDES = """\
 Config: a TOML file (--config, e.g. configs/demo.toml) with [section] tables of key = value, then
 overrides after the options, each --section.key=value (applied in order, after the file):
   python -m lowband.train --config configs/demo.toml --run.steps=200 --strategy.name=sharded-adamw
-  booleans: true/false (or 1/0); lists: comma-separated (--sparse.tables=bigram,tok_emb); an unknown
-  section or key, a wrong type or a value outside the {allowed values} below is an error (exit 2)."""
+  booleans: true/false (or 1/0); lists: comma-separated (--sparse.tables=bigram,tok_emb, or TOML's
+  [bigram, tok_emb]; empty: --sparse.tables= or --sparse.tables=[]); an unknown section or key, a
+  wrong type or a value outside the {allowed values} below is an error (exit 2)."""
 
 
 def exit_codes() -> str:

@@ -42,6 +42,15 @@ def test_new_sections_load_validate_and_round_trip(tmp_path) -> None:
             load_config(None, [bad])
 
 
+@pytest.mark.parametrize("spelling, tables", [("", []), ("[]", []), (" [ ] ", []), ("bigram", ["bigram"]),
+                                              ("[bigram, tok_emb]", ["bigram", "tok_emb"]),
+                                              ('["bigram","tok_emb"]', ["bigram", "tok_emb"]),
+                                              ("bigram,,tok_emb,", ["bigram", "tok_emb"])])
+def test_cli_lists_take_commas_or_tomls_brackets(spelling: str, tables: list[str]) -> None:
+    cfg = load_config(None, ["--strategy.name=sharded-adamw", "--model.bigram_rows=64", f"--sparse.tables={spelling}"])
+    assert cfg.sparse.tables == tables
+
+
 def test_sparse_table_names_of_lowbands_gpt_are_checked_early_a_factory_models_at_setup() -> None:
     with pytest.raises(ConfigError, match=r"sparse\.tables: 'wte' is not allowed; allowed: bigram, tok_emb"):
         load_config(None, ["--strategy.name=sharded-adamw", "--sparse.tables=wte"])

@@ -21,6 +21,7 @@ lines using shell variables (``$C``).
 from __future__ import annotations
 
 import re
+import runpy
 import shlex
 import subprocess
 import sys
@@ -98,12 +99,33 @@ def test_the_docs_hold_commands_of_every_kind() -> None:
     assert kinds <= {"lowband", *NOT_CHECKED}, kinds
 
 
-@pytest.mark.parametrize(("where", "cmd"), [(w, c) for w, c in COMMANDS if kind(c) == "lowband"
-                                            and ("--help" in c)], ids=lambda v: v if ":" in str(v) else "")
-def test_help_commands_run(where: str, cmd: str) -> None:
+def _help_commands() -> list[tuple[str, str]]:
+    """The ``--help`` commands, each distinct ``python -m MODULE ARGS`` once (first place it appears)."""
+    seen: dict[tuple[str, ...], tuple[str, str]] = {}
+    for where, cmd in COMMANDS:
+        if kind(cmd) == "lowband" and "--help" in cmd:
+            module, args = argv_of(cmd)
+            seen.setdefault((module, *args), (where, cmd))
+    return list(seen.values())
+
+
+@pytest.mark.parametrize(("where", "cmd"), _help_commands(), ids=lambda v: v if ":" in str(v) else "")
+def test_help_commands_run(where: str, cmd: str, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """Run as ``python -m`` runs it (``runpy``, ``__name__ == "__main__"``), in this process: a fresh
+    interpreter per command cost seconds each; one command is also run as a real subprocess below."""
     module, args = argv_of(cmd)
-    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip(), (where, proc.stderr[-2000:])
+    monkeypatch.setattr(sys, "argv", [module, *args])
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    out = capsys.readouterr()
+    assert exit_.value.code in (0, None) and out.out.strip(), (where, out.err[-2000:])
+
+
+def test_a_help_command_runs_as_its_own_process() -> None:
+    proc = subprocess.run([sys.executable, "-m", "lowband.train", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and "--section.key=value" in proc.stdout, proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize(("where", "cmd"), [(w, c) for w, c in COMMANDS if kind(c) == "lowband"
