@@ -6,6 +6,7 @@
 # Runs under the machine's own python3/torch (PYTHONPATH=. , no install). Each part has its own time cap,
 # so one hang costs only that part. Writes $OUT/log (everything), $OUT/train.tsv (strategy, final train
 # loss, tokens/s, peak memory), and the bench suites' JSON/Markdown ($OUT/*.json, *.md).
+#   0. scripts/gpu_parity.py: every wire codec bitwise equal on CUDA and CPU, AdamW / Muon CUDA vs CPU;
 #   1. the trainer on cuda, one NCCL rank (torchrun --nproc_per_node 1), every strategy for STEPS steps;
 #   2. python -m lowband.bench rekls / dp / gtp with --device cuda (one rank: the optimizer-step and
 #      kernel times; no inter-GPU traffic on one GPU).
@@ -13,7 +14,7 @@ set -uo pipefail
 OUT=${OUT:?set OUT to an output folder}
 STEPS=${1:-30}
 DEVICE=${DEVICE:-cuda}          # DEVICE=cpu PARTS=train tries the trainer part on a CPU machine
-PARTS=${PARTS:-"train rekls dp gtp"}  # which parts run; TRAIN_TIMEOUT (s, default 75) caps each trainer run
+PARTS=${PARTS:-"parity train rekls dp gtp"}  # which parts run; TRAIN_TIMEOUT (s, default 75) caps each trainer run
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD:$PWD/scripts/gpu_compat PYTHONUNBUFFERED=1  # gpu_compat: DDP kwarg on torch < 2.13
 PY=${PY:-python3}
@@ -37,6 +38,8 @@ run_train() {  # NAME, overrides...
   loss=$($PY -c "import json,sys; d=json.load(open('$OUT/runs/gpu-$name/summary.json')); print(d.get('final_loss'), d.get('tokens_per_s'), d.get('peak_mem_bytes'))" 2>/dev/null)
   printf '%s\t%s\t%s\n' "$name" "$rc" "$loss" >> "$OUT/train.tsv"
 }
+
+want parity && { log parity; timeout 120 $PY scripts/gpu_parity.py; }
 
 run_train single --strategy.name=single
 run_train ddp --strategy.name=ddp --sparse.tables=[]

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowband.comm.comm import Comm, CommHandle
+from lowband.comm.comm import Comm, CommHandle, true_div, true_div_
 from lowband.comm.compress import (
     DEFAULT_TOPK_CHUNK,
     DEFAULT_TOPK_K,
@@ -107,7 +107,7 @@ class Codec:
         amax = xb.abs().amax(dim=2)
         if not bool(torch.isfinite(xb).all()):  # keep a block's non-finite value visible in its scale
             amax = torch.where(torch.isfinite(xb).all(dim=2), amax, torch.full_like(amax, float("nan")))
-        scale = amax / self.qmax
+        scale = true_div(amax, self.qmax)  # true division on CUDA too (bitwise as on CPU)
         scale = torch.where(scale == 0, torch.ones_like(scale), scale)
         q = xb / scale.unsqueeze(2)
         if self.name == "fp8":
@@ -270,7 +270,7 @@ def codec_all_reduce(comm: Comm, flat: torch.Tensor, codec: Codec, *, op: str = 
         for i in range(1, n):
             acc.add_(parts[i])
         if op == "avg":
-            acc.div_(n)
+            true_div_(acc, n)
         mine = codec.encode(acc.view(1, chunk))
         return comm.all_gather(gathered, mine, async_op=True, tag=tag)
 
@@ -306,7 +306,7 @@ def reference_all_reduce(inputs: Sequence[torch.Tensor], codec: Codec, op: str =
         acc = dec if acc is None else acc.add_(dec)
     assert acc is not None
     if op == "avg":
-        acc.div_(n)
+        true_div_(acc, n)
     out = codec.decode(codec.encode(acc), chunk, dtype).reshape(-1)
     return out[:numel].clone()
 
@@ -375,7 +375,7 @@ def codec_reduce_scatter(comm: Comm, output: torch.Tensor, input: torch.Tensor, 
         for i in range(1, n):
             acc.add_(parts[i])
         if op == "avg":
-            acc.div_(n)
+            true_div_(acc, n)
         output.view(-1).copy_(acc[:shard])
         return output
 
@@ -416,7 +416,7 @@ def reference_reduce_scatter(inputs: Sequence[torch.Tensor], codec: Codec, op: s
         acc = dec if acc is None else acc.add_(dec)
     assert acc is not None
     if op == "avg":
-        acc.div_(n)
+        true_div_(acc, n)
     return [acc[j, :shard].to(out_dtype) for j in range(n)]
 
 

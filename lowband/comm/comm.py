@@ -148,6 +148,22 @@ def _check_float_wire(wire: torch.dtype, tensor: torch.Tensor, what: str) -> Non
                          "use the tensor's own dtype, or bfloat16/float16/float32 for float tensors")
 
 
+def true_div(t: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``t / divisor`` with IEEE division on every device.
+
+    CUDA's division kernel multiplies by the reciprocal of a Python-number divisor, which rounds differently
+    from a true division whenever ``1 / divisor`` is inexact (``/ 3``, ``/ 127``, ``/ 448``); dividing by a
+    tensor of the same device takes the true-division kernel there too, so a CUDA rank computes the bits a CPU
+    rank (and a CPU reference) computes. On CPU the result equals ``t / divisor`` exactly.
+    """
+    return torch.div(t, torch.full((), divisor, dtype=t.dtype, device=t.device))
+
+
+def true_div_(t: torch.Tensor, divisor: float) -> torch.Tensor:
+    """In-place :func:`true_div`."""
+    return t.div_(torch.full((), divisor, dtype=t.dtype, device=t.device))
+
+
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     if dtype == torch.float64:
         return torch.float64
@@ -375,7 +391,7 @@ class Comm:
             dop = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
                    "min": dist.ReduceOp.MIN}[op]
             work = dist.all_reduce(tensor, op=dop, group=self.group, async_op=True)
-            finish = (lambda: tensor.div_(n)) if op == "avg" else None
+            finish = (lambda: true_div_(tensor, n)) if op == "avg" else None
             return self._finish_handle(CommHandle(rec, [work], t0, finish, tensor), async_op)
         if op not in ("sum", "avg"):
             raise ValueError(f"all_reduce: op {op!r} needs wire_dtype equal to the tensor dtype")
@@ -397,7 +413,7 @@ class Comm:
             for i in range(1, n):
                 acc.add_(parts[i])
             if op == "avg":
-                acc.div_(n)
+                true_div_(acc, n)
             gathered = torch.empty(chunk * n, dtype=wire, device=tensor.device)
             mine = acc.to(wire)
             works = [dist.broadcast(gathered[r * chunk:(r + 1) * chunk] if r != self.rank else mine,
@@ -459,7 +475,7 @@ class Comm:
                 if recv is not output:
                     output.copy_(recv)
                 if op == "avg":
-                    output.div_(n)
+                    true_div_(output, n)
 
             return self._finish_handle(CommHandle(rec, [work], t0, finish_native, output), async_op)
         rec = self._record("reduce_scatter", input.numel(), wire, nbytes, "alltoall+sum", tag,
@@ -480,7 +496,7 @@ class Comm:
             for i in range(1, n):
                 acc.add_(parts[i])
             if op == "avg":
-                acc.div_(n)
+                true_div_(acc, n)
             if acc is not out:
                 out.copy_(acc)
             self.workspace.release(recv)

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowband.comm.comm import Comm, CommHandle
+from lowband.comm.comm import Comm, CommHandle, true_div, true_div_
 
 LOWBIT = {"int4": 4, "int2": 2}
 MESSAGE_CODECS = ("int4", "int2", "topk", "topk-int4", "topk-int2")
@@ -114,7 +114,7 @@ class LowBitCodec:
         amax = xb.abs().amax(dim=1)
         if not bool(torch.isfinite(amax).all()):  # NaN is not caught by amax on every backend
             amax = torch.where(torch.isfinite(xb).all(dim=1), amax, torch.full_like(amax, float("nan")))
-        scale = amax / self.half_levels
+        scale = true_div(amax, self.half_levels)  # true division on CUDA too (bitwise as on CPU)
         safe = torch.where(scale == 0, torch.ones_like(scale), scale)
         q = (xb / safe.unsqueeze(1) + self.half_levels).round().clamp(0, 2**self.bits - 1)
         q = torch.where(torch.isfinite(q), q, torch.zeros_like(q)).to(torch.int64)
@@ -339,7 +339,7 @@ def gather_all_reduce(comm: Comm, flat: torch.Tensor, codec: MessageCodec, *, op
         for i in range(1, n):
             acc.add_(codec.decode(msgs[i], m, acc_dtype))
         if op == "avg":
-            acc.div_(n)
+            true_div_(acc, n)
         flat.copy_(acc)
         return flat
 
@@ -361,6 +361,6 @@ def reference_gather_all_reduce(inputs: Sequence[torch.Tensor], codec: MessageCo
         acc = dec.clone() if acc is None else acc.add_(dec)
     assert acc is not None
     if op == "avg":
-        acc.div_(n)
+        true_div_(acc, n)
     return acc.to(dtype)
 

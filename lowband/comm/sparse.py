@@ -67,7 +67,7 @@ import numpy as np
 import torch
 
 from lowband.comm.bigram_hash import bigram_hash_np
-from lowband.comm.comm import Comm
+from lowband.comm.comm import Comm, true_div_
 from lowband.comm.ledger import ring_wire_bytes
 
 MODES = ("auto", "sparse", "dense")
@@ -454,7 +454,7 @@ class SparseRowExchange:
                     acc.index_add_(0, local, recv_vals[off:off + k].to(acc_dtype))
                 off += k
             if op == "avg" and n > 1:
-                acc.div_(n)
+                true_div_(acc, n)
             if acc is not out2d:
                 out2d.copy_(acc)
 
@@ -505,5 +505,5 @@ def dense_reference(grads: list[torch.Tensor], rows_per_rank: int, rank: int, op
             part = part.to(wire_dtype)
         acc[:part.shape[0]].add_(part.to(acc_dtype))
     if op == "avg" and len(grads) > 1:
-        acc.div_(len(grads))
+        true_div_(acc, len(grads))
     return acc

@@ -98,6 +98,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from lowband.comm import Comm, CommHandle
 from lowband.comm.codecs import DEFAULT_BLOCK_SIZE, Codec, codec_reduce_scatter, get_codec
+from lowband.comm.comm import true_div_
 from lowband.comm.opaque import opaque
 from lowband.parallel.gtp_cache import GTPBufferCache
 from lowband.parallel.gtp_quant import (
@@ -788,7 +789,7 @@ class GTPRuntime:
         if gw.pad:
             wbuf[gw.out_features:].zero_()
         if self.options.grad_mode == "mean" and self.size > 1:
-            wbuf.div_(self.size)
+            true_div_(wbuf, self.size)  # true division on CUDA too (bitwise as on CPU)
         out = self.cache.get((gw.uid, "rs", consume), (gw.shard_rows, gw.in_features), p.dtype, "rs",
                              parity, p.device, "rs_out")
         is_head = main and gw.index == 0

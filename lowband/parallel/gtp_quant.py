@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lowband.comm.comm import true_div
+
 GATHER_FORMATS = ("native", "bf16", "fp8")
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -82,7 +84,7 @@ def fp8_quantize(w: torch.Tensor, block: BlockSpec) -> tuple[torch.Tensor, torch
     br, bc = block.rows, block.cols
     blocks = w.detach().to(torch.float32).reshape(r // br, br, c // bc, bc)
     amax = blocks.abs().amax(dim=(1, 3))
-    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scales = torch.where(amax > 0, true_div(amax, FP8_MAX), torch.ones_like(amax))  # true division on CUDA too
     q = (blocks / scales[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.reshape(r, c), scales
 

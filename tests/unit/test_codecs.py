@@ -217,3 +217,19 @@ def test_single_rank_wire_all_reduce_matches_reference_and_residual(name: str) -
     assert torch.equal(y, ref)
     assert torch.equal(res, x - sender_roundtrip(codec, x, 1))
     assert ledger.count(tag="t") == (1 if name in MESSAGE_CODECS else 2) and ledger.wire_bytes() == 0
+
+
+@pytest.mark.parametrize("divisor", [3.0, 7.0, 127.0, 448.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_true_div_is_ieee_division_not_a_reciprocal_multiply(divisor: float, dtype: torch.dtype) -> None:
+    """The codecs' scales and averages divide with ``true_div``: on CPU it is bitwise ``t / divisor`` (CPU
+    results unchanged), and it is not ``t * (1 / divisor)``, the rounding CUDA's kernel uses for a
+    Python-number divisor (on one H200 that made fp8/int8/int4/int2 bytes differ from CPU's:
+    docs/PERFORMANCE.md, GPU; ``scripts/gpu_parity.py`` checks the CUDA side)."""
+    from lowband.comm.comm import true_div, true_div_
+
+    t = torch.randn(1 << 16, generator=torch.Generator().manual_seed(0), dtype=dtype) * 1e3
+    out = true_div(t, divisor)
+    assert torch.equal(out, t / divisor) and out.dtype == dtype
+    assert torch.equal(true_div_(t.clone(), divisor), t / divisor)
+    assert not torch.equal(out, t * (1.0 / divisor))
