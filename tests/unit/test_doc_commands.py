@@ -10,7 +10,8 @@ are checked as far as is possible in seconds, without running them:
 * ``lowband.bench SUITE ...``: the options parse with the suite's own parser; the suites' default
   invocations run in tests/unit/test_bench_defaults.py (``--quick``); the documented sizes take minutes;
 * ``lowband.sample``: the options parse; it needs a trained ``runs/NAME`` (minutes of training);
-* ``lowband.bench.diloco_report``: merges JSON files that bench runs write (minutes).
+* ``lowband.bench.diloco_report``: merges JSON files that bench runs write (minutes);
+* ``lowband.lighthouse``: the options parse; it serves until stopped (tests/cli/test_lighthouse.py runs it).
 
 Not checked at all (:data:`NOT_CHECKED`, with the reason): ``make`` targets (create a venv / run the whole
 suite), ``torchrun`` lines (the same config as a checked ``lowband.train`` line), ``sudo`` lines (the link
@@ -147,6 +148,10 @@ def test_other_commands_parse_and_validate(where: str, cmd: str) -> None:
         from lowband.sample import _parser, check_args
 
         check_args(_parser().parse_args(args))
+    elif module == "lowband.lighthouse":
+        from lowband.lighthouse import parser
+
+        parser().parse_args(args)
     elif module == "lowband.bench.diloco_report":
         from lowband.bench import diloco_report
 
