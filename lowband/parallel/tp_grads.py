@@ -35,7 +35,9 @@ rank skips, its peers step). At the end of every backward that accumulated into 
 flags its slices whose gradient holds inf/NaN (one inf-norm read of each slice gradient) and the flags
 are max-reduced over the TP group (one all-reduce of one float32 per TP slice, tag ``tp:nonfinite``, on
 the TP layers' own process group, after their last backward collective); a slice flagged on some rank
-and finite here gets NaN written into its first element, so every rank's scaler skips alike.
+and finite here gets NaN written into its first element, so every rank's scaler skips alike. No host
+sync: each slice's first element is rewritten on the device with ``where(flag, nan, itself)`` (bitwise
+itself when not flagged), so a CUDA stream runs on into the optimizer step.
 ``shard_tp(..., share_nonfinite=False)`` (or ``param.tp_share_nonfinite = False``) leaves a slice out
 (then no collective runs if none is left). Without a GradScaler a non-finite gradient makes the
 update non-finite anyway; the NaN lands in one more element of it.
@@ -122,11 +124,15 @@ def _share_nonfinite() -> None:
             mine[idx] = torch.stack(bad).to(device=device, dtype=torch.float32)
         anywhere = mine.clone()
         comm.all_reduce(anywhere, "max", tag="tp:nonfinite")
-        for p, any_rank, here in zip(params, anywhere.tolist(), mine.tolist(), strict=True):
-            g = p.grad
-            if any_rank and not here and g is not None:
-                g[(0,) * g.dim()] = math.nan
-                _record(p)
+        # Without a host sync (a CUDA stream keeps running): every slice's first element is rewritten with
+        # itself (bitwise, -0.0 and NaN payloads included) or, flagged on another rank only, with NaN.
+        poison = (anywhere > 0) & (mine == 0)
+        nan = torch.full((), math.nan, dtype=torch.float32, device=device)
+        for i in idx:
+            g = params[i].grad
+            first = (0,) * g.dim()
+            g[first] = torch.where(poison[i], nan.to(g.dtype), g[first])
+            _record(params[i])
 
 
 def track(param: torch.Tensor) -> None:
