@@ -11,9 +11,19 @@ and the user's ``state_dict`` / ``load_state_dict`` for the model and inner opti
   state (registered here under the key ``lowband_diloco``) and the committed step (torchft's own);
 * the fragment to sync is ``manager.current_step() % n`` (the committed step, identical on every
   member after the quorum);
-* the pseudo-gradient is averaged with ``manager.allreduce`` (fp32, sum then division by the number
-  of participants; errors and timeouts are recorded by the manager instead of raised), recorded in
-  the ledger as one ``all_reduce`` per bucket (algorithm ``torchft``, tag ``diloco:frag<i>``);
+* the pseudo-gradient is averaged over the quorum's participants. Wire ``fp32``: with
+  ``manager.allreduce`` (sum then division by the number of participants), recorded in the ledger as
+  one ``all_reduce`` per bucket (algorithm ``torchft``, tag ``diloco:frag<i>``). **Every other wire
+  codec** (``bf16``, ``fp8``, ``int8``, ``int4``, ``int2``, ``topk``, ``topk-int4``, ``topk-int2``):
+  with lowband's own codec all-reduce (:func:`~lowband.comm.codecs.wire_all_reduce`) over the
+  manager's process group (:class:`~lowband.diloco.ft_comm.TorchftComm`; rank order = the quorum's
+  participating rank): the two-phase codecs one ``all_to_all`` and one ``all_gather`` per bucket
+  (``2 (N-1)/N`` of the encoded buffer), the message codecs one ``all_gather`` of every participant's
+  message (``(N-1)`` messages), the same bytes and bitwise the same results as with static
+  membership over ``N`` = the participants of the current quorum; every record has group ``ft``,
+  algorithm ``torchft``. In every case errors and timeouts are recorded by the manager instead of
+  raised (then that replica's ``should_commit()`` is False; the outputs of a failed codec collective
+  are zeroed, never decoded from garbage);
 * at the sync ``manager.should_commit()`` votes; on False the fragment is **rolled back** to its
   last global copy, nothing is stepped, the committed step stays, and the **same fragment is
   retried** ``K`` inner steps later (after a new quorum);
@@ -21,15 +31,21 @@ and the user's ``state_dict`` / ``load_state_dict`` for the model and inner opti
 
 State reads by a healing peer are blocked during the inner optimizer step (pre-hook
 ``disallow_state_dict_read``, post-hook ``allow_state_dict_read``), as in torchft's DiLoCo.
-Only the ``fp32`` wire is supported in this mode (torchft's quantized all-reduce needs CUDA+Triton;
-lowband's message codecs need an all-gather that ``torchft.Manager`` does not offer).
+Every wire codec is supported in this mode (torchft's own quantized all-reduce, which needs
+CUDA+Triton, is not used: the non-fp32 wires run lowband's codecs over ``manager._pg``, whose
+all-to-all and all-gather torchft's ``ProcessGroupGloo`` supports, with the error routing of
+``Manager.allreduce``: ``report_error`` / ``wrap_future``).
 
 Error feedback under faults (the rule, implemented in :class:`~lowband.diloco.StreamingDiLoCo` for
 any membership): a replica's residual for a fragment changes only when that fragment's sync
 **commits**; a rolled-back attempt (``should_commit()`` False) keeps the previous residual, so the
 retry re-sends the dropped mass; a replica **healed** from a peer (``load_outer_state``) restarts its
 residuals at zero (the residual is private to a replica, never copied from a peer, whose own dropped
-mass would then be sent twice). With the fp32 wire of this mode residuals are zero anyway.
+mass would then be sent twice). With a lossy wire (error feedback is on by default for ``int4``,
+``int2`` and ``topk*``) the residual of an attempt is this replica's own encoding error in the layout
+of the attempt's quorum (``N`` participants for the two-phase codecs' chunks); it is adopted only if
+the attempt commits, so a membership change between attempts never mixes layouts. With ``fp32``
+residuals are zero.
 """
 
 from __future__ import annotations
@@ -39,8 +55,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lowband.comm import CommLedger, default_ledger
-from lowband.comm.codecs import WireCodec
+from lowband.comm.codecs import CodecHandle, WireCodec, wire_all_reduce
+from lowband.comm.compress import GatherHandle
 from lowband.comm.ledger import CommRecord, ring_wire_bytes
+from lowband.diloco.ft_comm import TorchftComm
 
 if TYPE_CHECKING:
     from lowband.diloco.streaming import StreamingDiLoCo
@@ -93,10 +111,7 @@ class TorchftMembership:
 
     # ------------------------------------------------------------------------------ set-up
     def attach(self, diloco: StreamingDiLoCo) -> None:
-        """Called once by :class:`StreamingDiLoCo`: check the wire, register the healing state."""
-        if diloco.codec.name != "fp32":
-            raise ValueError(f"diloco wire={diloco.codec.name!r} is not supported with torchft membership; "
-                             "allowed: ['fp32']")
+        """Called once by :class:`StreamingDiLoCo`: register the healing state (every wire is supported)."""
         self._diloco = diloco
         self.manager.register_state_dict_fn(STATE_KEY, diloco.load_outer_state, diloco.outer_state)
 
@@ -113,9 +128,17 @@ class TorchftMembership:
         diloco.committed = self.manager.current_step()
 
     def all_reduce(self, flat: torch.Tensor, codec: WireCodec, tag: str,
-                   residual_out: torch.Tensor | None = None) -> _WorkHandle:
+                   residual_out: torch.Tensor | None = None) -> _WorkHandle | CodecHandle | GatherHandle:
+        """Average ``flat`` in place over the quorum's participants (asynchronous; errors go to the
+        manager, never raised). ``fp32``: ``manager.allreduce``; any other codec: ``wire_all_reduce``
+        over :class:`~lowband.diloco.ft_comm.TorchftComm`, with ``residual_out`` receiving this
+        replica's own encoding error (error feedback)."""
         import time
 
+        if codec.name != "fp32":
+            comm = TorchftComm(self.manager, self.ledger)
+            return wire_all_reduce(comm, flat, codec, op="avg", async_op=True, tag=tag,  # type: ignore[arg-type]
+                                   residual_out=residual_out)
         if residual_out is not None:  # fp32 is exact for fp32 buffers; error feedback is then off anyway
             residual_out.zero_()
 

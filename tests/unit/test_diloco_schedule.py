@@ -197,9 +197,12 @@ def test_membership_validation() -> None:
         TorchftMembership(SimpleNamespace(_use_async_quorum=True))
     m = Tiny()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    ft = TorchftMembership(SimpleNamespace(_use_async_quorum=False))
-    with pytest.raises(ValueError, match=r"wire='int8' is not supported with torchft membership; allowed: \['fp32'\]"):
-        StreamingDiLoCo(m, opt, sync_every=4, wire="int8", membership=ft)
+    registered = {}
+    manager = SimpleNamespace(_use_async_quorum=False,
+                              register_state_dict_fn=lambda key, load, save: registered.setdefault(key, (load, save)))
+    dl = StreamingDiLoCo(m, opt, sync_every=4, wire="int8", membership=TorchftMembership(manager))  # any wire now
+    assert registered["lowband_diloco"] == (dl.load_outer_state, dl.outer_state)  # the healing state
+    dl.close()
     assert not opt._optimizer_step_post_hooks and not opt._optimizer_step_pre_hooks
     with pytest.raises(ValueError, match="num_replicas=3 must be a positive divisor of the world size 1"):
         replica_mesh(3)

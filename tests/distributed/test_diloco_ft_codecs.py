@@ -1,0 +1,366 @@
+"""Every DiLoCo wire codec in fault-tolerant mode (torchft 0.2.0): replica processes (one rank each,
+Manager + ProcessGroupGloo) around an in-process Lighthouse.
+
+* collective level: ``TorchftMembership.all_reduce`` with ``int8``, ``int4``, ``int2``, ``topk`` and
+  ``topk-int2`` over 2 and 3 replicas equals ``reference_wire_all_reduce`` of the inputs in
+  participating-rank order, bitwise, on every replica; ``residual_out`` is the sender's own encoding
+  error; the ledger bytes are ``wire_bytes_per_rank``;
+* a membership change (3 replicas, one SIGKILLed, the next quorum has 2): the n=2 reduction;
+* injected failures (``report_error`` before or during the collective): ``should_commit()`` False on
+  the errored replicas, no exception, no hang, outputs zero (never decoded from garbage); a peer
+  whose collective completed commits (torchft's vote is per replica group); the next step works again;
+* end to end: StreamingDiLoCo with ``topk-int2`` and error feedback, one failed all-reduce: the
+  rolled-back fragment's residual is kept, and the replicas' global copies are bitwise equal at every
+  common committed step.
+"""
+
+from __future__ import annotations
+
+import pickle
+import queue
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+from torchft._torchft import LighthouseServer  # the ft extra: scripts/setup.sh installs it
+
+from lowband.comm.codecs import (
+    Codec,
+    get_wire,
+    reference_wire_all_reduce,
+    sender_roundtrip,
+    wire_bytes_per_rank,
+)
+from tests.distributed.test_diloco_ft import Net, _put
+
+CODECS = ("int8", "int4", "int2", "topk", "topk-int2")
+NUMEL = 1000  # not a multiple of any block or chunk: padding is exercised
+TIMEOUT_S = 150
+N_FRAGMENTS = 2
+
+
+def _manager(replica: int, lighthouse: str, state_dict: Any, load_state_dict: Any) -> Any:
+    import torch.distributed as dist
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=20)), min_replica_size=1,
+                      use_async_quorum=False, load_state_dict=load_state_dict, state_dict=state_dict,
+                      replica_id=f"replica{replica}", store_addr="localhost", store_port=store.port, rank=0,
+                      world_size=1, lighthouse_addr=lighthouse, hostname="localhost",
+                      timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=60),
+                      connect_timeout=timedelta(seconds=20))
+    manager._lowband_store = store  # keep the store alive as long as the manager
+    return manager
+
+
+def _inputs(replica: int, rnd: int, idx: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(10_000 * replica + 100 * rnd + idx)
+    return torch.randn(NUMEL, generator=g) * (1.0 + idx)
+
+
+# ------------------------------------------------------------------------- collective level
+def _coll_replica(replica: int, lighthouse: str, rounds: list[dict], gates: list, out: Any) -> None:
+    """Per round: wait for its gate (if any), quorum, one ``all_reduce`` per codec (all issued, then
+    polled and waited in order), optional injected ``report_error``, ``should_commit``; report it all."""
+    from lowband.comm import CommLedger
+    from lowband.diloco.ft import TorchftMembership
+
+    torch.set_num_threads(1)
+    manager = _manager(replica, lighthouse, lambda: {"w": torch.zeros(1)}, lambda sd: None)
+    ledger = CommLedger()
+    membership = TorchftMembership(manager, ledger=ledger)
+    _put(out, ("ready", replica, -1, {}))
+    for rnd, spec in enumerate(rounds):
+        while replica in spec.get("victims", ()):  # SIGKILLed by the parent (never waits on a shared
+            time.sleep(0.05)  # Event: a killed waiter would block the parent's Event.set() for ever)
+        if spec.get("gate") is not None:
+            gates[spec["gate"]].wait()
+        manager.start_quorum()
+        rank, n = manager.participating_rank(), manager.num_participants()
+        inject = replica in spec.get("inject_on", ()) and spec.get("inject")
+        if inject == "before":
+            manager.report_error(RuntimeError("injected failure before the collective"))
+        items = []
+        for idx, name in enumerate(spec["codecs"]):
+            codec = get_wire(name)
+            x = _inputs(replica, rnd, idx)
+            flat, res = x.clone(), torch.empty_like(x)
+            h = membership.all_reduce(flat, codec, f"r{rnd}:{name}", residual_out=res)
+            items.append((name, x, flat, res, h))
+        if inject == "during":
+            manager.report_error(RuntimeError("injected failure during the collective"))
+        for *_, h in items:
+            h.poll()
+        results = {}
+        for name, x, flat, res, h in items:
+            raised = None
+            try:
+                h.wait()
+            except Exception as e:  # must not happen: reported as a failure by the parent
+                raised = f"{type(e).__name__}: {e}"
+            recs = [(r.op, r.group, r.group_size, r.numel, r.wire_dtype, r.wire_bytes, r.algorithm)
+                    for r in ledger.select(tag=f"r{rnd}:{name}")]
+            results[name] = {"input": x, "result": flat.clone(), "residual": res.clone(), "raised": raised,
+                             "records": recs}
+        ok = bool(manager.should_commit())
+        _put(out, ("round", replica, rnd, {"rank": rank, "n": n, "ok": ok, "results": results}))
+    _put(out, ("done", replica, -1, {}))
+    manager.shutdown(wait=False)
+
+
+def _drive(nrep: int, rounds: list[dict], kill: tuple[int, int] | None = None) -> dict[int, dict[int, dict]]:
+    """Run ``nrep`` collective-level replicas; gate 0 opens once all are ready (so the first quorum
+    has all of them); with ``kill = (replica, gate)`` that replica is SIGKILLed once every replica has
+    reported the round before ``gate`` opens, then the gate opens. Returns {round: {replica: info}}."""
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=30_000,
+                                  heartbeat_timeout_ms=1_000)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    gates = [ctx.Event() for _ in range(2)]
+    procs = {r: ctx.Process(target=_coll_replica, args=(r, lighthouse.address(), rounds, gates, out), daemon=True)
+             for r in range(nrep)}
+    for p in procs.values():
+        p.start()
+    ready: set[int] = set()
+    done: set[int] = set()
+    by: dict[int, dict[int, dict]] = {}
+    killed = False
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while len(done) < nrep - (1 if kill else 0):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"ft collective run timed out; ready={sorted(ready)} done={sorted(done)} "
+                                     f"rounds={ {k: sorted(v) for k, v in by.items()} }")
+            try:
+                kind, replica, rnd, info = pickle.loads(out.get(timeout=1.0))
+            except queue.Empty:
+                dead = [r for r, p in procs.items() if not p.is_alive() and r not in done
+                        and not (killed and r == kill[0]) and p.exitcode != 0]
+                if dead:
+                    raise AssertionError(f"replica process {dead} died: {[procs[r].exitcode for r in dead]}") \
+                        from None
+                continue
+            if kind == "ready":
+                ready.add(replica)
+                if len(ready) == nrep:
+                    gates[0].set()
+            elif kind == "round":
+                by.setdefault(rnd, {})[replica] = info
+                if kill and not killed and rnd == kill[1] - 1 and len(by[rnd]) == nrep:
+                    procs[kill[0]].kill()
+                    procs[kill[0]].join(10)
+                    killed = True
+                    gates[kill[1]].set()
+            else:
+                done.add(replica)
+    finally:
+        for p in procs.values():
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+        lighthouse.shutdown()
+    assert not kill or killed
+    return by
+
+
+def _check_round(infos: dict[int, dict], n: int) -> None:
+    """Every replica committed, saw ``n`` participants with distinct ranks, and got the reference."""
+    assert len(infos) == n and all(i["ok"] and i["n"] == n for i in infos.values()), \
+        {r: (i["ok"], i["n"], i["rank"]) for r, i in infos.items()}
+    order = sorted(infos, key=lambda r: infos[r]["rank"])
+    assert [infos[r]["rank"] for r in order] == list(range(n))
+    for name in infos[order[0]]["results"]:
+        codec = get_wire(name)
+        inputs = [infos[r]["results"][name]["input"] for r in order]
+        ref = reference_wire_all_reduce(inputs, codec)
+        for r in order:
+            res = infos[r]["results"][name]
+            assert res["raised"] is None, res["raised"]
+            assert torch.equal(res["result"], ref), f"{name}: replica {r} differs from the reference (n={n})"
+            x = res["input"]
+            assert torch.equal(res["residual"], x - sender_roundtrip(codec, x, n)), f"{name}: residual"
+            recs = res["records"]
+            ops = ["all_to_all", "all_gather"] if isinstance(codec, Codec) else ["all_gather"]
+            assert [rec[0] for rec in recs] == ops, recs
+            assert all(rec[1] == "ft" and rec[2] == n and rec[4] == "uint8" and rec[6] == "torchft"
+                       for rec in recs), recs
+            assert sum(rec[5] for rec in recs) == wire_bytes_per_rank(codec, NUMEL, n), (name, recs)
+        assert not torch.equal(ref, inputs[0])  # lossy: the test would notice a plain copy
+
+
+@pytest.fixture(scope="module")
+def two_replica_rounds() -> dict[int, dict[int, dict]]:
+    rounds = [
+        {"gate": 0, "codecs": CODECS},
+        {"codecs": ("int8", "topk-int2"), "inject": "before", "inject_on": (0, 1)},
+        {"codecs": ("int8", "int4"), "inject": "during", "inject_on": (0, 1)},
+        {"codecs": ("topk",), "inject": "during", "inject_on": (1,)},
+        {"codecs": (*CODECS, "bf16", "fp8", "topk-int4")},  # and the remaining lossy wires
+    ]
+    return _drive(2, rounds)
+
+
+def test_codecs_match_reference_two_replicas(two_replica_rounds: dict) -> None:
+    _check_round(two_replica_rounds[0], 2)
+    _check_round(two_replica_rounds[4], 2)  # after three failed steps, everything works again
+
+
+def test_injected_failure_is_not_committed_and_never_decodes_garbage(two_replica_rounds: dict) -> None:
+    for rnd in (1, 2, 3):
+        infos = two_replica_rounds[rnd]
+        assert len(infos) == 2
+        for replica, info in infos.items():
+            errored = rnd < 3 or replica == 1
+            # should_commit is a vote of this replica group's own ranks: the errored replica does not
+            # commit (it heals from its peer at a later quorum), the peer whose collective completed does
+            assert info["n"] == 2 and info["ok"] is not errored, (rnd, replica, info["ok"])
+            for name, res in info["results"].items():
+                assert res["raised"] is None, (rnd, name, res["raised"])
+                if errored:  # outputs zeroed, decoded as zeros (never from garbage)
+                    assert bool((res["result"] == 0).all()), (rnd, replica, name)
+                else:  # the peer's collective completed normally
+                    ref = reference_wire_all_reduce(
+                        [infos[r]["results"][name]["input"] for r in sorted(infos, key=lambda r: infos[r]["rank"])],
+                        get_wire(name))
+                    assert torch.equal(res["result"], ref)
+
+
+def test_codecs_three_replicas_then_one_killed() -> None:
+    rounds = [{"gate": 0, "codecs": CODECS}, {"gate": 1, "codecs": CODECS, "victims": (2,)}]
+    by = _drive(3, rounds, kill=(2, 1))
+    _check_round(by[0], 3)
+    assert set(by[1]) == {0, 1}
+    _check_round(by[1], 2)  # the next quorum has the 2 survivors: their n=2 reduction, bitwise
+
+
+# ----------------------------------------------------------------------- StreamingDiLoCo e2e
+def _diloco_replica(replica: int, lighthouse: str, cfg: dict[str, Any], out: Any) -> None:
+    from lowband.comm import CommLedger
+    from lowband.diloco import StreamingDiLoCo
+    from lowband.diloco.ft import TorchftMembership
+
+    torch.set_num_threads(1)
+    torch.manual_seed(100 * replica)
+    model = Net()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def state_dict() -> dict:
+        return {"model": model.state_dict(), "inner": inner.state_dict()}
+
+    def load_state_dict(sd: dict) -> None:
+        model.load_state_dict(sd["model"])
+        inner.load_state_dict(sd["inner"])
+
+    manager = _manager(replica, lighthouse, state_dict, load_state_dict)
+    fail_at = set(cfg.get("fail_allreduce_at", ()))
+    ledger = CommLedger()
+
+    class Membership(TorchftMembership):
+        def all_reduce(self, flat, codec, tag, residual_out=None):  # type: ignore[no-untyped-def]
+            handle = super().all_reduce(flat, codec, tag, residual_out=residual_out)
+            step = self.manager.current_step()
+            if step in fail_at:  # an all-reduce that fails on this replica, once per listed step
+                fail_at.discard(step)
+                self.manager.report_error(RuntimeError(f"injected all-reduce failure at step {step}"))
+            return handle
+
+    diloco = StreamingDiLoCo(model, inner, sync_every=cfg["sync_every"], fragments=N_FRAGMENTS, delay=cfg["delay"],
+                             wire=cfg["wire"], membership=Membership(manager, ledger=ledger))
+    assert diloco.error_feedback
+
+    def on_attempt(d: StreamingDiLoCo, frag: int, ok: bool) -> None:
+        rolled_back = all(torch.equal(p, g) for p, g in zip(d.frags[frag].params, d.globals[frag]))
+        _put(out, ("attempt", replica, 0, {
+            "step": d.committed, "fragment": frag, "ok": ok, "rolled_back": rolled_back,
+            "globals": [[g.clone() for g in gs] for gs in d.globals],
+            "residuals": [r.clone() for r in d.residuals]}))
+
+    diloco.add_attempt_callback(on_attempt)
+    g = torch.Generator().manual_seed(1000 * replica)
+    while diloco.committed < cfg["target"]:
+        x, y = torch.randn(4, 4, generator=g), torch.randn(4, 2, generator=g)
+        inner.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        inner.step()
+    _put(out, ("done", replica, 0, {
+        "step": diloco.committed, "numel": [f.numel for f in diloco.frags],
+        "records": [(r.op, r.tag, r.group, r.numel, r.wire_bytes) for r in ledger.records]}))
+    diloco.close()
+    manager.shutdown(wait=False)
+
+
+def _run_diloco(cfg: dict[str, Any]) -> tuple[list, dict]:
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=10_000,
+                                  heartbeat_timeout_ms=1_000)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = {r: ctx.Process(target=_diloco_replica, args=(r, lighthouse.address(), cfg, out), daemon=True)
+             for r in range(2)}
+    for p in procs.values():
+        p.start()
+    attempts: list[tuple[int, dict]] = []
+    done: dict[int, dict] = {}
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while len(done) < 2:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"ft run timed out; done={sorted(done)} attempts={len(attempts)}")
+            try:
+                kind, replica, _attempt, info = pickle.loads(out.get(timeout=1.0))
+            except queue.Empty:
+                dead = [r for r, p in procs.items() if not p.is_alive() and r not in done]
+                if dead and all(procs[r].exitcode not in (None, 0) for r in dead):
+                    raise AssertionError(f"replica process {dead} died: {[procs[r].exitcode for r in dead]}") \
+                        from None
+                continue
+            if kind == "attempt":
+                attempts.append((replica, info))
+            else:
+                done[replica] = info
+    finally:
+        for p in procs.values():
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+        lighthouse.shutdown()
+    return attempts, done
+
+
+def test_streaming_diloco_topk_int2_rollback_keeps_residual() -> None:
+    cfg = {"sync_every": 4, "delay": 1, "target": 5, "wire": "topk-int2", "fail_allreduce_at": [2]}
+    attempts, done = _run_diloco(cfg)
+    by: dict[int, dict[int, dict]] = {0: {}, 1: {}}
+    for replica, info in attempts:
+        if info["ok"]:
+            by[replica][info["step"]] = info
+    common = sorted(set(by[0]) & set(by[1]))
+    assert common == [1, 2, 3, 4, 5], common
+    for s in common:  # bitwise equal global copies at every common committed step
+        a, b = by[0][s], by[1][s]
+        assert a["fragment"] == b["fragment"] == (s - 1) % N_FRAGMENTS
+        for ga, gb in zip(a["globals"], b["globals"]):
+            assert all(torch.equal(x, y) for x, y in zip(ga, gb)), f"global copies differ at step {s}"
+    codec = get_wire("topk-int2")
+    for r in range(2):
+        mine = [info for rr, info in attempts if rr == r]
+        seq = [(i["step"], i["fragment"], i["ok"]) for i in mine]
+        assert seq[:4] == [(1, 0, True), (2, 1, True), (2, 0, False), (3, 0, True)], seq
+        before, failed, retried = mine[1], mine[2], mine[3]
+        assert failed["rolled_back"]
+        assert bool(before["residuals"][0].abs().sum() > 0)  # error feedback holds dropped mass
+        for ra, rb in zip(before["residuals"], failed["residuals"]):
+            assert torch.equal(ra, rb)  # rollback keeps every residual, the failed fragment's included
+        assert not torch.equal(retried["residuals"][0], failed["residuals"][0])  # the retry commits a new one
+        assert torch.equal(retried["residuals"][1], failed["residuals"][1])
+        recs = [rec for rec in done[r]["records"] if rec[1].startswith("diloco:frag")]
+        assert len(recs) == len(mine)  # one all-gather per attempt (one bucket per fragment)
+        for op, tag, group, _numel, nbytes in recs:
+            frag = int(tag.removeprefix("diloco:frag"))
+            assert op == "all_gather" and group == "ft"
+            assert nbytes == wire_bytes_per_rank(codec, done[r]["numel"][frag], 2)
