@@ -107,6 +107,7 @@ class TorchftMembership:
                              "use_async_quorum=False (a quorum precedes every fragment's prepare)")
         self.manager = manager
         self.ledger = ledger if ledger is not None else default_ledger()
+        self._checked_quorum: int | None = None  # torchft quorum id whose settings agreed
         self._diloco: StreamingDiLoCo | None = None
 
     # ------------------------------------------------------------------------------ set-up
@@ -123,9 +124,65 @@ class TorchftMembership:
         self.manager.allow_state_dict_read()
 
     def start_quorum(self, diloco: StreamingDiLoCo) -> None:
-        """Quorum (may heal this replica); the committed step follows the manager's."""
-        self.manager.start_quorum()
+        """Quorum (may heal this replica); a new quorum checks the settings; the committed step follows
+        the manager's."""
+        try:
+            self.manager.start_quorum()
+        except Exception:  # e.g. a heal whose state does not fit this model: name the setting that differs
+            self._check_settings(diloco)
+            raise
+        self._check_settings(diloco)
         diloco.committed = self.manager.current_step()
+
+    def _check_settings(self, diloco: StreamingDiLoCo) -> None:
+        """At the first sync of every new quorum (torchft's quorum id changed): all-gather an 8-byte digest
+        of each of ``diloco.agreed_settings`` over the quorum's participants and raise ``ValueError`` on
+        every participant, naming the first setting that differs. Replica groups that joined with another
+        wire, block size, top-k, fragment count or model would otherwise exchange messages that decode
+        as something else (``fp8`` and ``int8`` have the same size) or never agree in size.
+
+        The all-gather runs on the manager's process group even when the manager has already errored in
+        this quorum (a heal from a peer with another model fails first), so the refusal still names the
+        setting; if the all-gather itself fails it is reported to the manager and the check runs again
+        at the next quorum. One record, tag ``diloco:settings``, ``8 * len(settings)`` bytes per
+        participant."""
+        import hashlib
+        import time
+
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        quorum = getattr(self.manager, "_quorum_id", None)
+        if quorum is not None and quorum == self._checked_quorum:
+            return
+        rank, n = self.manager.participating_rank(), self.manager.num_participants()
+        if rank is None or n <= 1:
+            self._checked_quorum = quorum
+            return
+        names = list(diloco.agreed_settings)
+        digests = b"".join(hashlib.sha256(repr(diloco.agreed_settings[k]).encode()).digest()[:8] for k in names)
+        device = next((p.device for f in diloco.frags for p in f.params), torch.device("cpu"))
+        mine = torch.frombuffer(bytearray(digests), dtype=torch.uint8).to(device)
+        everyone = torch.zeros(n * mine.numel(), dtype=torch.uint8, device=device)
+        rec = self.ledger.add(CommRecord(op="all_gather", group="ft", group_size=n, numel=everyone.numel(),
+                                         wire_dtype="uint8", wire_bytes=ring_wire_bytes("all_gather", n,
+                                                                                        everyone.numel()),
+                                         algorithm="torchft", tag="diloco:settings", async_op=False))
+        t0 = time.perf_counter()
+        try:
+            self.manager._pg.allgather_into_tensor_coalesced([everyone], [mine], AllgatherOptions()).wait()
+        except Exception as e:  # a peer died or the group is not configured: check at the next quorum
+            self.manager.report_error(e)
+            return
+        finally:
+            rec.elapsed_s = time.perf_counter() - t0
+        rows = everyone.view(n, len(names), 8)
+        for k, name in enumerate(names):
+            differ = [r for r in range(n) if not torch.equal(rows[r, k], rows[rank, k])]
+            if differ:
+                raise ValueError(f"diloco ft: replica groups disagree on {name} (this group, participant {rank} of "
+                                 f"{n}: {diloco.agreed_settings[name]!r}; participants {differ} have another "
+                                 f"value): refused at join; every replica group must use the same {name}")
+        self._checked_quorum = quorum
 
     def all_reduce(self, flat: torch.Tensor, codec: WireCodec, tag: str,
                    residual_out: torch.Tensor | None = None) -> _WorkHandle | CodecHandle | GatherHandle:

@@ -233,6 +233,13 @@ class StreamingDiLoCo:
                      self.error_feedback, bucket_cap_mb, self.bucket_breaks, str(init_sync),
                      [[tuple(p.shape) for p in f.params] for f in self.frags],
                      [[str(p.dtype) for p in f.params] for f in self.frags])
+        # the same settings by name, for memberships that check them at every new quorum (TorchftMembership)
+        self.agreed_settings: dict[str, object] = {
+            "fragments": n, "alpha": self.alpha, "wire": wire, "block_size": self.codec.block_size,
+            "topk_chunk": topk_chunk, "topk_k": topk_k, "error_feedback": self.error_feedback,
+            "bucket_cap_mb": bucket_cap_mb, "bucket_breaks": self.bucket_breaks,
+            "fragment shapes": [[tuple(p.shape) for p in f.params] for f in self.frags],
+            "fragment dtypes": [[str(p.dtype) for p in f.params] for f in self.frags]}
         state = init_state(model)
         if init_sync:  # every tensor init_sync covers must exist alike on every replica
             signature = (*signature, [(kind, name, tuple(t.shape), str(t.dtype)) for kind, name, t in state])
