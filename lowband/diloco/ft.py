@@ -9,6 +9,9 @@ and the user's ``state_dict`` / ``load_state_dict`` for the model and inner opti
   the quorum's maximum (a restarted or failed one) is **healed** from an up-to-date peer: model and
   inner optimizer (the user's state-dict functions), every fragment's global copy and outer optimizer
   state (registered here under the key ``lowband_diloco``) and the committed step (torchft's own);
+* at the first sync of every new quorum the participants' settings are compared (an 8-byte digest per
+  entry of ``StreamingDiLoCo.agreed_settings``, one all-gather, tag ``diloco:settings``); a difference
+  raises ``ValueError`` on every participant naming the setting (:meth:`TorchftMembership._check_settings`);
 * the fragment to sync is ``manager.current_step() % n`` (the committed step, identical on every
   member after the quorum);
 * the pseudo-gradient is averaged over the quorum's participants. Wire ``fp32``: with
