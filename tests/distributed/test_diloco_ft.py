@@ -12,6 +12,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from torch import nn
@@ -73,8 +74,8 @@ def _replica(replica: int, attempt: int, lighthouse: str, cfg: dict[str, Any], o
     ledger = CommLedger()
 
     class Membership(TorchftMembership):
-        def all_reduce(self, flat, codec, tag):  # type: ignore[no-untyped-def]
-            handle = super().all_reduce(flat, codec, tag)
+        def all_reduce(self, flat, codec, tag, residual_out=None):  # type: ignore[no-untyped-def]
+            handle = super().all_reduce(flat, codec, tag, residual_out=residual_out)
             step = self.manager.current_step()
             if step in fail_at:  # an all-reduce that fails on this replica, once per listed step
                 fail_at.discard(step)
@@ -83,7 +84,7 @@ def _replica(replica: int, attempt: int, lighthouse: str, cfg: dict[str, Any], o
 
     h = cfg["sync_every"][replica]
     diloco = StreamingDiLoCo(model, inner, sync_every=h, fragments=N_FRAGMENTS, delay=cfg["delay"],
-                             membership=Membership(manager, ledger=ledger))
+                             wire=cfg.get("wire", "fp32"), membership=Membership(manager, ledger=ledger))
 
     def on_attempt(d: StreamingDiLoCo, frag: int, ok: bool) -> None:
         rolled_back = all(torch.equal(p, g) for p, g in zip(d.frags[frag].params, d.globals[frag]))
@@ -176,8 +177,11 @@ def _assert_consistent(attempts: list) -> dict[int, dict[int, dict]]:
     return by
 
 
-def test_killed_replica_rejoins_and_catches_up() -> None:
-    cfg = {"sync_every": [4, 4], "delay": 1, "target": 8}
+@pytest.mark.parametrize("wire", ["fp32", "topk-int2"])
+def test_killed_replica_rejoins_and_catches_up(wire: str) -> None:
+    """fp32 (``manager.allreduce``) and a message codec with error feedback (lowband's codec over the
+    Manager's process group; the healed replica's residuals restart at zero, its peer's stay)."""
+    cfg = {"sync_every": [4, 4], "delay": 1, "target": 8, "wire": wire}
     attempts, done = _run(cfg, kill=(1, 2))
     assert done[0]["step"] == done[1]["step"] == 8
     by = _assert_consistent(attempts)
