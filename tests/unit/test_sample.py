@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -207,6 +209,7 @@ def test_cli_missing_run_or_model_exit_2_and_say_how_to_get_one(tmp_path: Path, 
     assert "no model.safetensors" in err and "run.export = true" in err and err.count("\n") == 1
 
 
+@pytest.mark.filterwarnings("ignore:'lowband.sample' found in sys.modules:RuntimeWarning")  # runpy, imported
 def test_python_dash_m_lowband_sample(tmp_path: Path) -> None:
     """The module runs as ``python -m lowband.sample``: exit 0 with text, 2 with one error line, 2 for
     argparse's own usage errors (a missing --prompt), 0 for --help."""
@@ -223,8 +226,10 @@ def test_python_dash_m_lowband_sample(tmp_path: Path) -> None:
     assert ok.stdout == expected_greedy_text(model, "Hi", 6) + "\n"
     bad = run("--run", str(tmp_path / "missing"), "--prompt", "Hi")
     assert bad.returncode == 2 and bad.stderr.startswith("lowband.sample: error: run directory")
-    assert run("--run", str(tmp_path / "r")).returncode == 2
-    assert run("--help").returncode == 0
+    for argv, code in ([["--run", str(tmp_path / "r")], 2], [["--help"], 0]):  # argparse's exits, as python -m
+        with pytest.raises(SystemExit) as exit_, mock.patch.object(sys, "argv", ["lowband.sample", *argv]):
+            runpy.run_module("lowband.sample", run_name="__main__")
+        assert exit_.value.code == code, argv
 
 
 # ------------------------------------------------------------- damaged runs, bytes, bounds (issue 21)
