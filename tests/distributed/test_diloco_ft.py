@@ -92,7 +92,8 @@ def _replica(replica: int, attempt: int, lighthouse: str, cfg: dict[str, Any], o
             "step": d.committed, "fragment": frag, "ok": ok, "rolled_back": rolled_back,
             "globals": [[g.clone() for g in gs] for gs in d.globals],
             "outer": [[o.state[p]["momentum_buffer"].clone() for p in o.param_groups[0]["params"]
-                       if "momentum_buffer" in o.state[p]] for o in d.outer]}))
+                       if "momentum_buffer" in o.state[p]] for o in d.outer],
+            "residuals": [None if r is None else r.clone() for r in d.residuals]}))
 
     diloco.add_attempt_callback(on_attempt)
     g = torch.Generator().manual_seed(1000 * replica + attempt)
@@ -103,8 +104,9 @@ def _replica(replica: int, attempt: int, lighthouse: str, cfg: dict[str, Any], o
         inner.step()
         if cfg.get("slow"):
             time.sleep(cfg["slow"])
-    _put(out, ("done", replica, attempt, {"step": diloco.committed,
-                                          "records": [(r.op, r.tag, r.group, r.numel) for r in ledger.records]}))
+    _put(out, ("done", replica, attempt, {"step": diloco.committed, "numel": [f.numel for f in diloco.frags],
+                                          "records": [(r.op, r.tag, r.group, r.numel, r.wire_bytes)
+                                                      for r in ledger.records]}))
     diloco.close()
     manager.shutdown(wait=False)
 

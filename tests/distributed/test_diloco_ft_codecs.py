@@ -25,7 +25,6 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
-from torch import nn
 from torchft._torchft import LighthouseServer  # the ft extra: scripts/setup.sh installs it
 
 from lowband.comm.codecs import (
@@ -35,12 +34,11 @@ from lowband.comm.codecs import (
     sender_roundtrip,
     wire_bytes_per_rank,
 )
-from tests.distributed.test_diloco_ft import Net, _put
+from tests.distributed.test_diloco_ft import N_FRAGMENTS, _put, _run
 
 CODECS = ("int8", "int4", "int2", "topk", "topk-int2")
 NUMEL = 1000  # not a multiple of any block or chunk: padding is exercised
 TIMEOUT_S = 150
-N_FRAGMENTS = 2
 
 
 def _manager(replica: int, lighthouse: str, state_dict: Any, load_state_dict: Any) -> Any:
@@ -240,101 +238,12 @@ def test_codecs_three_replicas_then_one_killed() -> None:
 
 
 # ----------------------------------------------------------------------- StreamingDiLoCo e2e
-def _diloco_replica(replica: int, lighthouse: str, cfg: dict[str, Any], out: Any) -> None:
-    from lowband.comm import CommLedger
-    from lowband.diloco import StreamingDiLoCo
-    from lowband.diloco.ft import TorchftMembership
-
-    torch.set_num_threads(1)
-    torch.manual_seed(100 * replica)
-    model = Net()
-    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-    def state_dict() -> dict:
-        return {"model": model.state_dict(), "inner": inner.state_dict()}
-
-    def load_state_dict(sd: dict) -> None:
-        model.load_state_dict(sd["model"])
-        inner.load_state_dict(sd["inner"])
-
-    manager = _manager(replica, lighthouse, state_dict, load_state_dict)
-    fail_at = set(cfg.get("fail_allreduce_at", ()))
-    ledger = CommLedger()
-
-    class Membership(TorchftMembership):
-        def all_reduce(self, flat, codec, tag, residual_out=None):  # type: ignore[no-untyped-def]
-            handle = super().all_reduce(flat, codec, tag, residual_out=residual_out)
-            step = self.manager.current_step()
-            if step in fail_at:  # an all-reduce that fails on this replica, once per listed step
-                fail_at.discard(step)
-                self.manager.report_error(RuntimeError(f"injected all-reduce failure at step {step}"))
-            return handle
-
-    diloco = StreamingDiLoCo(model, inner, sync_every=cfg["sync_every"], fragments=N_FRAGMENTS, delay=cfg["delay"],
-                             wire=cfg["wire"], membership=Membership(manager, ledger=ledger))
-    assert diloco.error_feedback
-
-    def on_attempt(d: StreamingDiLoCo, frag: int, ok: bool) -> None:
-        rolled_back = all(torch.equal(p, g) for p, g in zip(d.frags[frag].params, d.globals[frag]))
-        _put(out, ("attempt", replica, 0, {
-            "step": d.committed, "fragment": frag, "ok": ok, "rolled_back": rolled_back,
-            "globals": [[g.clone() for g in gs] for gs in d.globals],
-            "residuals": [r.clone() for r in d.residuals]}))
-
-    diloco.add_attempt_callback(on_attempt)
-    g = torch.Generator().manual_seed(1000 * replica)
-    while diloco.committed < cfg["target"]:
-        x, y = torch.randn(4, 4, generator=g), torch.randn(4, 2, generator=g)
-        inner.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        inner.step()
-    _put(out, ("done", replica, 0, {
-        "step": diloco.committed, "numel": [f.numel for f in diloco.frags],
-        "records": [(r.op, r.tag, r.group, r.numel, r.wire_bytes) for r in ledger.records]}))
-    diloco.close()
-    manager.shutdown(wait=False)
-
-
-def _run_diloco(cfg: dict[str, Any]) -> tuple[list, dict]:
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=10_000,
-                                  heartbeat_timeout_ms=1_000)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = {r: ctx.Process(target=_diloco_replica, args=(r, lighthouse.address(), cfg, out), daemon=True)
-             for r in range(2)}
-    for p in procs.values():
-        p.start()
-    attempts: list[tuple[int, dict]] = []
-    done: dict[int, dict] = {}
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while len(done) < 2:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"ft run timed out; done={sorted(done)} attempts={len(attempts)}")
-            try:
-                kind, replica, _attempt, info = pickle.loads(out.get(timeout=1.0))
-            except queue.Empty:
-                dead = [r for r, p in procs.items() if not p.is_alive() and r not in done]
-                if dead and all(procs[r].exitcode not in (None, 0) for r in dead):
-                    raise AssertionError(f"replica process {dead} died: {[procs[r].exitcode for r in dead]}") \
-                        from None
-                continue
-            if kind == "attempt":
-                attempts.append((replica, info))
-            else:
-                done[replica] = info
-    finally:
-        for p in procs.values():
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-        lighthouse.shutdown()
-    return attempts, done
-
-
 def test_streaming_diloco_topk_int2_rollback_keeps_residual() -> None:
-    cfg = {"sync_every": 4, "delay": 1, "target": 5, "wire": "topk-int2", "fail_allreduce_at": [2]}
-    attempts, done = _run_diloco(cfg)
+    """test_diloco_ft's replica driver (Net, AdamW inner, 2 fragments) with the ``topk-int2`` wire, error
+    feedback on (its default for message codecs), one all-reduce failure injected on both replicas."""
+    cfg = {"sync_every": [4, 4], "delay": 1, "target": 5, "wire": "topk-int2", "fail_allreduce_at": [2]}
+    runs, done = _run(cfg)
+    attempts = [(replica, info) for replica, _attempt, info in runs]
     by: dict[int, dict[int, dict]] = {0: {}, 1: {}}
     for replica, info in attempts:
         if info["ok"]:
