@@ -110,6 +110,7 @@ def _help_commands() -> list[tuple[str, str]]:
     return list(seen.values())
 
 
+@pytest.mark.filterwarnings("ignore:'lowband.*' found in sys.modules:RuntimeWarning")  # runpy, module imported
 @pytest.mark.parametrize(("where", "cmd"), _help_commands(), ids=lambda v: v if ":" in str(v) else "")
 def test_help_commands_run(where: str, cmd: str, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     """Run as ``python -m`` runs it (``runpy``, ``__name__ == "__main__"``), in this process: a fresh
