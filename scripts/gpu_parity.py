@@ -46,30 +46,22 @@ def codec_parity(numel: int) -> bool:
     x = torch.randn(numel, generator=g) * torch.logspace(-4, 2, numel)[torch.randperm(numel, generator=g)]
     for name in WIRE_CODECS:
         codec = get_wire(name)
-        if isinstance(codec, Codec):
-            chunk = chunk_layout(numel, 1, codec)
-            padded = torch.zeros(chunk)
+        if isinstance(codec, Codec):  # a two-phase codec encodes (rows, m) padded to its blocks
+            m = chunk_layout(numel, 1, codec)
+            padded = torch.zeros(m)
             padded[:numel] = x
-            xs = padded.view(1, chunk)
-
-            def enc(t, c=codec):
-                return c.encode(t)
-
-            def dec(b, c=codec, m=chunk):
-                return c.decode(b, m, torch.float32)
+            xs = padded.view(1, m)
         else:
-            xs = x
+            m, xs = numel, x
 
-            def enc(t, c=codec):
-                return c.encode(t)
+        def dec(b, c=codec, m=m):
+            return c.decode(b, m, torch.float32)
 
-            def dec(b, c=codec, m=numel):
-                return c.decode(b, m, torch.float32)
-        b_cpu, b_gpu = enc(xs), enc(xs.cuda())
-        same_bytes = torch.equal(b_cpu, b_gpu.cpu())
-        same_vals = torch.equal(dec(b_cpu), dec(b_gpu).cpu())
-        xg, bg = xs.cuda(), b_gpu
-        t_enc, t_dec = cuda_ms(lambda t=xg: enc(t)), cuda_ms(lambda b=bg: dec(b))
+        xg = xs.cuda()
+        b_cpu, bg = codec.encode(xs), codec.encode(xg)
+        same_bytes = torch.equal(b_cpu, bg.cpu())
+        same_vals = torch.equal(dec(b_cpu), dec(bg).cpu())
+        t_enc, t_dec = cuda_ms(lambda t=xg, c=codec: c.encode(t)), cuda_ms(lambda b=bg, d=dec: d(b))
         ok &= same_bytes and same_vals
         verdict = f"bytes {'equal' if same_bytes else 'DIFFER'}  decoded {'equal' if same_vals else 'DIFFER'}"
         print(f"codec {name:10s} {verdict}"

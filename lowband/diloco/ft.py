@@ -150,9 +150,6 @@ class TorchftMembership:
         at the next quorum. One record, tag ``diloco:settings``, ``8 * len(settings)`` bytes per
         participant."""
         import hashlib
-        import time
-
-        from torch.distributed.distributed_c10d import AllgatherOptions
 
         quorum = getattr(self.manager, "_quorum_id", None)
         if quorum is not None and quorum == self._checked_quorum:
@@ -166,18 +163,11 @@ class TorchftMembership:
         device = next((p.device for f in diloco.frags for p in f.params), torch.device("cpu"))
         mine = torch.frombuffer(bytearray(digests), dtype=torch.uint8).to(device)
         everyone = torch.zeros(n * mine.numel(), dtype=torch.uint8, device=device)
-        rec = self.ledger.add(CommRecord(op="all_gather", group="ft", group_size=n, numel=everyone.numel(),
-                                         wire_dtype="uint8", wire_bytes=ring_wire_bytes("all_gather", n,
-                                                                                        everyone.numel()),
-                                         algorithm="torchft", tag="diloco:settings", async_op=False))
-        t0 = time.perf_counter()
         try:
-            self.manager._pg.allgather_into_tensor_coalesced([everyone], [mine], AllgatherOptions()).wait()
+            TorchftComm(self.manager, self.ledger).all_gather_unrouted(everyone, mine, tag="diloco:settings")
         except Exception as e:  # a peer died or the group is not configured: check at the next quorum
             self.manager.report_error(e)
             return
-        finally:
-            rec.elapsed_s = time.perf_counter() - t0
         rows = everyone.view(n, len(names), 8)
         for k, name in enumerate(names):
             differ = [r for r in range(n) if not torch.equal(rows[r, k], rows[rank, k])]

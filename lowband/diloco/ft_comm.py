@@ -34,7 +34,9 @@ vote is among the ranks of one replica group: a peer whose collectives completed
 replica, now behind, heals from a peer at a later quorum). A call made after the manager has errored
 sends nothing, so peers that are still waiting for it fail by the process-group / manager timeout
 (torchft's ``allreduce`` behaves the same). A replica that is not a participant of the quorum reports
-an error and acts as a group of one.
+an error and acts as a group of one. :meth:`TorchftComm.all_gather_unrouted` is the one exception to
+these rules: a blocking all-gather that runs even after an error and raises what the group raises (the
+settings check of :class:`~lowband.diloco.ft.TorchftMembership`).
 """
 
 from __future__ import annotations
@@ -165,22 +167,44 @@ class TorchftComm:
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False,
                    tag: str = "") -> TorchftHandle:
         """``output`` = every participant's ``input`` concatenated in rank order (flat, contiguous)."""
-        from torch.distributed.distributed_c10d import AllgatherOptions
-
-        n = self.size
         t0 = time.perf_counter()
+        rec = self._gather_record(output, input, tag, async_op)
+        if self.size == 1:
+            output.view(-1).copy_(input.reshape(-1))
+            return self._finish(TorchftHandle(self.manager, rec, t0, output, None, None), async_op)
+        send = input.reshape(-1).contiguous()
+        h = self._issue(rec, t0, output, lambda scratch: self._pg_all_gather(scratch, send))
+        return self._finish(h, async_op)
+
+    def all_gather_unrouted(self, output: torch.Tensor, input: torch.Tensor, *, tag: str = "") -> None:
+        """A blocking :meth:`all_gather` outside the manager's error routing: it runs even when the manager
+        has already errored in this quorum, writes ``output`` directly and **raises** what the process group
+        raises (bounded by its timeout). For checks every participant must complete to decide anything (the
+        settings check of :class:`~lowband.diloco.ft.TorchftMembership`, which also runs after a failed heal);
+        the caller decides what a failure means."""
+        t0 = time.perf_counter()
+        rec = self._gather_record(output, input, tag, async_op=False)
+        try:
+            if self.size == 1:
+                output.view(-1).copy_(input.reshape(-1))
+            else:
+                self._pg_all_gather(output, input.reshape(-1).contiguous()).wait()
+        finally:
+            rec.elapsed_s = time.perf_counter() - t0
+
+    def _gather_record(self, output: torch.Tensor, input: torch.Tensor, tag: str, async_op: bool) -> CommRecord:
+        """Check the all-gather's buffers and record it (``(N-1)/N`` of the output, the ring model)."""
+        n = self.size
         if output.numel() != n * input.numel() or not output.is_contiguous() or output.dtype != input.dtype:
             raise ValueError(f"TorchftComm.all_gather: output has {output.numel()} {output.dtype} elements, "
                              f"expected {n} x {input.numel()} {input.dtype}, contiguous")
         nbytes = ring_wire_bytes("all_gather", n, output.numel() * output.element_size())
-        rec = self._record("all_gather", output.numel(), input.dtype, nbytes, tag, async_op)
-        if n == 1:
-            output.view(-1).copy_(input.reshape(-1))
-            return self._finish(TorchftHandle(self.manager, rec, t0, output, None, None), async_op)
-        send = input.reshape(-1).contiguous()
-        h = self._issue(rec, t0, output, lambda scratch: self.manager._pg.allgather_into_tensor_coalesced(
-            [scratch.view(-1)], [send], AllgatherOptions()))
-        return self._finish(h, async_op)
+        return self._record("all_gather", output.numel(), input.dtype, nbytes, tag, async_op)
+
+    def _pg_all_gather(self, output: torch.Tensor, send: torch.Tensor) -> Any:
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        return self.manager._pg.allgather_into_tensor_coalesced([output.view(-1)], [send], AllgatherOptions())
 
     @staticmethod
     def _finish(handle: TorchftHandle, async_op: bool) -> TorchftHandle:

@@ -228,18 +228,16 @@ class StreamingDiLoCo:
         self.bucket_breaks: list[list[int]] = [sorted(int(b) for b in bs) for bs in bucket_breaks or [[]] * n]
 
         # ---- cross-replica checks and initial sync (collectives, every rank alike)
-        schedule = (sync_every, delay) if getattr(self.membership, "uniform_schedule", True) else ()
-        signature = (n, *schedule, self.alpha, wire, self.codec.block_size, topk_chunk, topk_k,
-                     self.error_feedback, bucket_cap_mb, self.bucket_breaks, str(init_sync),
-                     [[tuple(p.shape) for p in f.params] for f in self.frags],
-                     [[str(p.dtype) for p in f.params] for f in self.frags])
-        # the same settings by name, for memberships that check them at every new quorum (TorchftMembership)
+        # what every replica must share, by name: checked here across the static replicas, and by a membership
+        # that changes (TorchftMembership) at the first sync of every new quorum
         self.agreed_settings: dict[str, object] = {
             "fragments": n, "alpha": self.alpha, "wire": wire, "block_size": self.codec.block_size,
             "topk_chunk": topk_chunk, "topk_k": topk_k, "error_feedback": self.error_feedback,
             "bucket_cap_mb": bucket_cap_mb, "bucket_breaks": self.bucket_breaks,
             "fragment shapes": [[tuple(p.shape) for p in f.params] for f in self.frags],
             "fragment dtypes": [[str(p.dtype) for p in f.params] for f in self.frags]}
+        schedule = (sync_every, delay) if getattr(self.membership, "uniform_schedule", True) else ()
+        signature = (*self.agreed_settings.values(), *schedule, str(init_sync))
         state = init_state(model)
         if init_sync:  # every tensor init_sync covers must exist alike on every replica
             signature = (*signature, [(kind, name, tuple(t.shape), str(t.dtype)) for kind, name, t in state])
