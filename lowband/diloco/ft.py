@@ -33,7 +33,17 @@ and the user's ``state_dict`` / ``load_state_dict`` for the model and inner opti
 * replicas may run **different** ``sync_every`` (same number of fragments): they meet at the quorum.
 
 State reads by a healing peer are blocked during the inner optimizer step (pre-hook
-``disallow_state_dict_read``, post-hook ``allow_state_dict_read``), as in torchft's DiLoCo.
+``disallow_state_dict_read``, post-hook ``allow_state_dict_read``), as in torchft's DiLoCo. That lock
+covers building the state dict, not sending it: torchft's HTTP transport serves CPU tensors by reference
+until the next ``should_commit()``, while this replica runs the ``delay`` inner steps of the fragment in
+flight, so the user's ``state_dict`` function must return **copies**
+(:func:`lowband.diloco.ft_state.local_state` does; the trainer uses it).
+
+A quorum with fewer participants than the manager's ``min_replica_size`` (a Lighthouse started with a lower
+``--min-replicas``) is asked for again every ``QUORUM_RETRY_S`` instead of being trained into a sync that
+torchft's vote must refuse; after the manager's ``quorum_timeout`` :class:`FtQuorumError`. The trainer
+builds the manager with :func:`lowband.diloco.ft_group.build_manager` (docs/diloco.md, "Training across
+machines").
 Every wire codec is supported in this mode (torchft's own quantized all-reduce, which needs
 CUDA+Triton, is not used: the non-fp32 wires run lowband's codecs over ``manager._pg``, whose
 all-to-all and all-gather torchft's ``ProcessGroupGloo`` supports, with the error routing of
@@ -53,6 +63,7 @@ residuals are zero.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -67,6 +78,24 @@ if TYPE_CHECKING:
     from lowband.diloco.streaming import StreamingDiLoCo
 
 STATE_KEY = "lowband_diloco"
+QUORUM_RETRY_S = 0.2
+"""Pause between quorums while fewer than ``min_replicas`` groups have joined."""
+
+
+def _torchft_message(e: BaseException) -> str:
+    """The ``message: "..."`` of a torchft RPC error (a gRPC status dump), else its first line."""
+    text = str(e)
+    if 'message: "' in text:
+        return text.split('message: "', 1)[1].split('"', 1)[0][:160]
+    return (text.splitlines() or [type(e).__name__])[0][:160]
+
+
+class FtSettingsError(ValueError):
+    """Replica groups with settings that must agree (wire, fragments, model, ...) met in one quorum."""
+
+
+class FtQuorumError(RuntimeError):
+    """No quorum formed within the manager's quorum timeout (Lighthouse gone, too few replica groups)."""
 
 
 class _WorkHandle:
@@ -83,8 +112,6 @@ class _WorkHandle:
 
     def wait(self) -> None:
         if not self._done:
-            import time
-
             self._work.wait()
             self._done = True
             self._record.elapsed_s = time.perf_counter() - self._t0
@@ -111,6 +138,7 @@ class TorchftMembership:
         self.manager = manager
         self.ledger = ledger if ledger is not None else default_ledger()
         self._checked_quorum: int | None = None  # torchft quorum id whose settings agreed
+        self._started = False  # the first quorum has been asked for
         self._diloco: StreamingDiLoCo | None = None
 
     # ------------------------------------------------------------------------------ set-up
@@ -128,12 +156,44 @@ class TorchftMembership:
 
     def start_quorum(self, diloco: StreamingDiLoCo) -> None:
         """Quorum (may heal this replica); a new quorum checks the settings; the committed step follows
-        the manager's."""
-        try:
-            self.manager.start_quorum()
-        except Exception:  # e.g. a heal whose state does not fit this model: name the setting that differs
-            self._check_settings(diloco)
-            raise
+        the manager's.
+
+        Before this replica's first quorum a fresh manager takes ``diloco.committed`` as its step (a
+        replica resumed from its own checkpoint: the quorum then knows how far it is, and heals it only if
+        a peer is further). A quorum that does not form within the manager's ``quorum_timeout`` raises
+        :class:`FtQuorumError` (one line: the Lighthouse is gone or fewer than ``min_replicas`` groups
+        are alive)."""
+        if not self._started:
+            self._started = True
+            if self.manager.current_step() < diloco.committed:
+                self.manager.load_state_dict({"step": diloco.committed,
+                                              "batches_committed": self.manager.batches_committed()})
+        timeout = getattr(self.manager, "_quorum_timeout", None)
+        timeout_s = timeout.total_seconds() if timeout is not None else None
+        need = int(getattr(self.manager, "_min_replica_size", 1))
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            try:
+                self.manager.start_quorum()
+            except TimeoutError as e:
+                within = f" within {timeout_s:g} s" if timeout_s is not None else ""
+                raise FtQuorumError(
+                    f"diloco ft: no quorum formed{within} (committed step {diloco.committed}): the torchft "
+                    f"Lighthouse is unreachable or fewer than min_replicas = {need} replica groups are alive "
+                    f"(torchft: {_torchft_message(e)})") from None
+            except Exception:  # e.g. a heal whose state does not fit this model: name the setting that differs
+                self._check_settings(diloco)
+                raise
+            have = self.manager.num_participants()
+            if have >= need:
+                break
+            # a Lighthouse with a lower --min-replicas formed a quorum without enough groups: such a sync could
+            # never commit (torchft's vote needs min_replicas), so ask again instead of training into a rollback
+            if deadline is not None and time.monotonic() > deadline:
+                raise FtQuorumError(
+                    f"diloco ft: only {have} of min_replicas = {need} replica groups joined within {timeout_s:g} s "
+                    f"(committed step {diloco.committed}); start the missing groups, or lower min_replicas")
+            time.sleep(QUORUM_RETRY_S)
         self._check_settings(diloco)
         diloco.committed = self.manager.current_step()
 
@@ -172,9 +232,9 @@ class TorchftMembership:
         for k, name in enumerate(names):
             differ = [r for r in range(n) if not torch.equal(rows[r, k], rows[rank, k])]
             if differ:
-                raise ValueError(f"diloco ft: replica groups disagree on {name} (this group, participant {rank} of "
-                                 f"{n}: {diloco.agreed_settings[name]!r}; participants {differ} have another "
-                                 f"value): refused at join; every replica group must use the same {name}")
+                raise FtSettingsError(f"diloco ft: replica groups disagree on {name} (this group, participant {rank} "
+                                      f"of {n}: {diloco.agreed_settings[name]!r}; participants {differ} have another "
+                                      f"value): refused at join; every replica group must use the same {name}")
         self._checked_quorum = quorum
 
     def all_reduce(self, flat: torch.Tensor, codec: WireCodec, tag: str,
@@ -183,8 +243,6 @@ class TorchftMembership:
         manager, never raised). ``fp32``: ``manager.allreduce``; any other codec: ``wire_all_reduce``
         over :class:`~lowband.diloco.ft_comm.TorchftComm`, with ``residual_out`` receiving this
         replica's own encoding error (error feedback)."""
-        import time
-
         if codec.name != "fp32":
             comm = TorchftComm(self.manager, self.ledger)
             return wire_all_reduce(comm, flat, codec, op="avg", async_op=True, tag=tag,  # type: ignore[arg-type]

@@ -309,6 +309,34 @@ class DilocoConfig:
 
 
 @dataclass(kw_only=True)
+class FtConfig:
+    """Fault-tolerant DiLoCo across separate launches (torchft; ``pip install 'lowband[ft]'``): each replica
+    group is its own ``python -m lowband.train`` / ``torchrun`` launch, possibly on its own machine; groups
+    meet through a Lighthouse (``python -m lowband.lighthouse``), may fail and return, and a returning group
+    is healed from a live peer. docs/diloco.md, "Training across machines"."""
+
+    enabled: bool = False
+    """Run this launch as one replica group of a fault-tolerant run (needs strategy.name = diloco and
+    diloco.num_replicas = 1)."""
+    lighthouse: str = ""
+    """Lighthouse URL, http://HOST:PORT; "" = the TORCHFT_LIGHTHOUSE environment variable."""
+    group: int = -1
+    """This group's index, in [0, ft.groups): its name (lowband_group_<group>) and its part of the data."""
+    groups: int = 1
+    """Replica groups the run is planned for: the data are split into this many parts, one per group."""
+    min_replicas: int = 1
+    """Groups a sync needs; with fewer alive the quorum waits (up to ft.quorum_timeout_s)."""
+    host: str = ""
+    """Address other machines reach this group at (ManagerServer, TCPStore, heal server); "" = the hostname."""
+    timeout_s: float = 60.0
+    """Cross-group collectives, commit votes and heal transfers; a hung peer costs at most this."""
+    quorum_timeout_s: float = 300.0
+    """How long a quorum may wait for ft.min_replicas groups before the run stops (exit 1)."""
+    connect_timeout_s: float = 30.0
+    """Connecting to the Lighthouse (an unreachable one stops the launch before training, exit 2) and peers."""
+
+
+@dataclass(kw_only=True)
 class CheckpointConfig:
     """Distributed checkpoints (``torch.distributed.checkpoint``); see docs/checkpoints.md."""
 
@@ -357,6 +385,7 @@ class Config:
     gtp: GTPConfig = field(default_factory=GTPConfig)
     tp: TPConfig = field(default_factory=TPConfig)
     diloco: DilocoConfig = field(default_factory=DilocoConfig)
+    ft: FtConfig = field(default_factory=FtConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
 
@@ -386,7 +415,8 @@ POSITIVE: tuple[str, ...] = (
     "model.vocab_size", "model.seq_len", "model.n_layer", "model.n_head", "model.n_embd", "model.mlp_ratio",
     "checkpoint.keep_last", "guard.max_consecutive",
     "data.batch_size", "data.grad_accum", "optim.lr", "strategy.bucket_mb",
-    "gtp.fp8_block", "gtp.muon_bucket_mb",
+    "gtp.fp8_block", "gtp.muon_bucket_mb", "ft.groups", "ft.min_replicas", "ft.timeout_s", "ft.quorum_timeout_s",
+    "ft.connect_timeout_s",
 )
 NON_NEGATIVE: tuple[str, ...] = (
     "checkpoint.every", "run.check_replicas_every", "gtp.size", "gtp.finalize_depth", "tp.size",
@@ -611,6 +641,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {cfg.optim.min_lr_ratio}")
     if cfg.checkpoint.resume not in ("latest", "none") and not cfg.checkpoint.resume.strip():
         raise ConfigError("checkpoint.resume must be latest, none or a checkpoint path; got ''")
+    if cfg.ft.enabled and cfg.strategy.name != "diloco":
+        raise ConfigError(f"ft.enabled = true needs strategy.name = diloco (fault-tolerant replica groups sync "
+                          f"through Streaming DiLoCo); got strategy.name = {cfg.strategy.name}")
     from lowband.train.strategies import get_strategy_class
 
     strategy_cls = get_strategy_class(cfg.strategy.name)

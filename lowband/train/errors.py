@@ -110,9 +110,11 @@ def classify(exc: BaseException, rank: int = 0, world_size: int = 1, log_path: P
     # classes are looked up in sys.modules: a config error in the launcher never imports torch for this.
     failed = _loaded_classes(("lowband.train.checkpoint", "CheckpointSaveError"),
                              ("lowband.train.guards", "NonFiniteStepError"), ("lowband.train.export", "ExportError"),
-                             ("lowband.consistency", "ReplicaDivergenceError"))
+                             ("lowband.consistency", "ReplicaDivergenceError"), ("lowband.diloco.ft", "FtQuorumError"))
     bad_input = _loaded_classes(("lowband.train.config", "ConfigError"), ("lowband.data.shards", "ShardError"),
-                                ("lowband.train.checkpoint", "CheckpointError"), ("lowband.train.lock", "LockError"))
+                                ("lowband.train.checkpoint", "CheckpointError"), ("lowband.train.lock", "LockError"),
+                                ("lowband.diloco.ft_group", "LighthouseUnreachableError"),
+                                ("lowband.diloco.ft", "FtSettingsError"))
     peer = _loaded_classes(("lowband.train.guards", "PeerFailureError"))
     if isinstance(exc, StopRequested):
         return Outcome(128 + exc.signum, "stopped", str(exc), rank, world_size)

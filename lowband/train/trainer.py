@@ -220,9 +220,14 @@ def train(cfg: Config, env: DistEnv | None = None, *, model_factory: ModelFactor
     A backend error from a dead or unresponsive peer is re-raised as ``PeerFailureError``.
     """
     env = env or init_distributed(cfg.run.device, cfg.run.timeout_s)
-    with peer_failure_guard(env.rank, env.world_size, cfg.run.timeout_s):
-        return _train(cfg, env, model_factory=model_factory, write_run_dir=write_run_dir, log=log,
-                      stop_after=stop_after)
+    strategies: list[Strategy] = []  # closed on every exit path (a fault-tolerant group leaves its run)
+    try:
+        with peer_failure_guard(env.rank, env.world_size, cfg.run.timeout_s):
+            return _train(cfg, env, model_factory=model_factory, write_run_dir=write_run_dir, log=log,
+                          stop_after=stop_after, strategies=strategies)
+    finally:
+        for strategy in strategies:
+            strategy.close()
 
 
 def _model_and_plan(cfg: Config, env: DistEnv, strategy_cls: type[Strategy],
@@ -245,7 +250,7 @@ def _model_and_plan(cfg: Config, env: DistEnv, strategy_cls: type[Strategy],
 
 
 def _train(cfg: Config, env: DistEnv, *, model_factory: ModelFactory | None, write_run_dir: bool, log: bool,
-           stop_after: int | None) -> TrainResult:
+           stop_after: int | None, strategies: list[Strategy]) -> TrainResult:
     from lowband.data import DistributedLoader
 
     wall_start = time.perf_counter()
@@ -255,14 +260,14 @@ def _train(cfg: Config, env: DistEnv, *, model_factory: ModelFactory | None, wri
     check_tensorboard(cfg.run.tensorboard)
     train_tokens, val_tokens = load_token_arrays(cfg, env)
     micro = cfg.data.batch_size // cfg.data.grad_accum
-    loader = DistributedLoader(train_tokens, cfg.data.batch_size, cfg.model.seq_len, env.rank, env.world_size,
-                               seed=cfg.run.seed)
-    val_loader = DistributedLoader(val_tokens, micro, cfg.model.seq_len, env.rank, env.world_size,
-                                   seed=cfg.run.seed + 1)
+    part, parts = strategy_cls.data_partition(cfg, env.rank, env.world_size)
+    loader = DistributedLoader(train_tokens, cfg.data.batch_size, cfg.model.seq_len, part, parts, seed=cfg.run.seed)
+    val_loader = DistributedLoader(val_tokens, micro, cfg.model.seq_len, part, parts, seed=cfg.run.seed + 1)
     model, plan = _model_and_plan(cfg, env, strategy_cls, model_factory)
     strategy = strategy_cls(cfg, env)
     strategy.plan = plan
     strategy.forward = resolve_convention(model, cfg.model.forward)
+    strategies.append(strategy)
     strategy.setup(model)
     if cfg.run.compile:  # after the strategy distributed it (docs/cli.md)
         compile_model(strategy.model)
@@ -275,6 +280,12 @@ def _train(cfg: Config, env: DistEnv, *, model_factory: ModelFactory | None, wri
     start_step = checkpointer.resume()
     _restore_counters(meter, checkpointer.extra, env, start_step, log)
     end_step = cfg.run.steps if stop_after is None else max(min(stop_after, cfg.run.steps), start_step)
+    position = {"step": start_step}  # the step in progress: what a healing peer continues from
+    healed: list[int] = []
+    if strategy.fault_tolerant:  # a group healed from a peer continues at the peer's step and LR position
+        strategy.register_heal_state(
+            "lowband_trainer", lambda: {"step": position["step"], "schedule": schedule.state_dict()},
+            lambda sd: (schedule.load_state_dict(sd["schedule"]), healed.append(int(sd["step"]))))
 
     writer: RunWriter | None = None
     tb: TensorBoardWriter | None = None
@@ -300,7 +311,10 @@ def _train(cfg: Config, env: DistEnv, *, model_factory: ModelFactory | None, wri
     last_loss: float | None = None
     last_val: float | None = None
     last_checkpoint: str | None = None
-    for step in range(start_step, end_step):
+    step = start_step - 1
+    while step + 1 < end_step:
+        step += 1
+        position["step"] = step
         t0 = time.perf_counter()
         x, y = loader.batch(step)
         strategy.observe_batch(x)
@@ -321,6 +335,12 @@ def _train(cfg: Config, env: DistEnv, *, model_factory: ModelFactory | None, wri
                 print(f"lowband.train: {verdict.message}", flush=True)
         else:
             strategy.optimizer_step()
+        if healed:  # this group was behind: the step's quorum copied a peer's state, which was at step healed[-1]
+            if env.is_main and log:
+                print(f"lowband.train: healed from a live peer at step {step + 1}: continuing at its step "
+                      f"{healed[-1] + 1}", flush=True)
+            step = healed[-1]
+            healed.clear()
         schedule.step()
         loader.step = step + 1
         if env.device.type == "cuda":

@@ -143,7 +143,7 @@ def test_help_strategy_prints_only_its_sections(capsys: pytest.CaptureFixture[st
 def test_help_strategy_diloco_adds_its_inner_strategies_sections(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _help(capsys, "--help-strategy", "diloco")
     assert code == 0
-    expected = ["strategy", "diloco"]
+    expected = ["strategy", "diloco", "ft"]
     for inner in CHOICES["diloco.inner"]:
         expected += [s for s in get_strategy_class(inner).config_sections if s not in expected]
     assert list(_blocks(out)) == expected

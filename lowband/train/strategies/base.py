@@ -123,6 +123,24 @@ class Strategy:
         """Called once per step with the step's host (CPU) input tokens, all microbatches, before they
         move to the device (sparse embedding comms read their touched rows here). Default: nothing."""
 
+    @classmethod
+    def data_partition(cls, cfg: Config, rank: int, world_size: int) -> tuple[int, int]:
+        """``(part, parts)``: which of how many data streams this rank reads (default: its rank of the world;
+        fault-tolerant DiLoCo groups, separate launches, each take their own parts)."""
+        return rank, world_size
+
+    fault_tolerant: bool = False
+    """This launch is one replica group of a fault-tolerant run: the trainer registers its step and LR
+    schedule with :meth:`register_heal_state` (DiLoCo with ``ft.enabled``)."""
+
+    def register_heal_state(self, key: str, save: Any, load: Any) -> None:
+        """Only fault-tolerant strategies heal from a peer."""
+        raise NotImplementedError(f"strategy {self.name} does not heal from a peer")
+
+    def close(self) -> None:
+        """Release what :meth:`setup` started outside the process group (called once, at the end of the run,
+        also after an error). Default: nothing."""
+
     def unwrapped(self) -> nn.Module:
         """The plain model (for evaluation and checkpoints)."""
         return getattr(self.model, "module", self.model)

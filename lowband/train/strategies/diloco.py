@@ -65,9 +65,70 @@ def inner_gtp_size(cfg: Any, world_size: int) -> int:
     return (cfg.gtp.size or per_replica) if d.inner == "gtp" else 1
 
 
+def lighthouse_url(cfg: Any) -> str:
+    """``ft.lighthouse``, else the ``TORCHFT_LIGHTHOUSE`` environment variable ("" if neither)."""
+    import os
+
+    return cfg.ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+
+
+def validate_ft(cfg: Any) -> None:
+    """The ``[ft]`` section of a fault-tolerant launch (local checks, before any process group)."""
+    import importlib.util
+
+    from lowband.train.config import ConfigError
+
+    f = cfg.ft
+    if cfg.diloco.num_replicas != 1:
+        raise ConfigError(f"ft.enabled = true: each launch is one replica group, so diloco.num_replicas must be 1 "
+                          f"(the other groups are other launches, met through the Lighthouse); got "
+                          f"{cfg.diloco.num_replicas}")
+    if not 0 <= f.group < f.groups:
+        raise ConfigError(f"ft.group must be in [0, ft.groups = {f.groups}) (this group's index: its name and its "
+                          f"part of the data); got {f.group}")
+    if f.min_replicas > f.groups:
+        raise ConfigError(f"ft.min_replicas ({f.min_replicas}) must be <= ft.groups ({f.groups})")
+    url = lighthouse_url(cfg)
+    if not url:
+        raise ConfigError("ft.lighthouse is empty and TORCHFT_LIGHTHOUSE is not set: give the URL that "
+                          "`python -m lowband.lighthouse` printed (http://HOST:PORT)")
+    if not url.startswith(("http://", "https://")) or ":" not in url.split("//", 1)[1]:
+        raise ConfigError(f"ft.lighthouse must be a URL http://HOST:PORT; got {url!r}")
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError("ft.enabled = true needs torchft: pip install 'lowband[ft]' (torchft==0.2.0)")
+
+
+AGREED_SECTIONS = ("model", "optim")
+"""Config sections every fault-tolerant replica group must share (key by key), besides DiLoCo's own settings."""
+AGREED_KEYS = ("run.steps", "run.dtype", "data.batch_size", "data.grad_accum", "data.source", "ft.groups",
+               "diloco.inner", "diloco.outer_lr", "diloco.outer_momentum", "diloco.outer_nesterov",
+               "strategy.grad_wire_dtype")
+
+
+def ft_agreed_settings(cfg: Any, world_size: int) -> dict[str, object]:
+    """The trainer settings fault-tolerant replica groups must share (a group that differs is refused at
+    join, naming the key): the model and optimizer sections, the schedule length, the inner strategy and
+    its section, the outer optimizer, and the ranks per group (a heal copies group rank ``r`` to ``r``)."""
+    import dataclasses
+
+    out: dict[str, object] = {"ranks per replica group (run.world_size)": world_size}
+    sections = list(AGREED_SECTIONS)
+    if cfg.diloco.inner in SHARDED_INNER:
+        sections.append("sharded")
+    elif cfg.diloco.inner == "gtp":
+        sections.append("gtp")
+    for sec in sections:
+        for fld in dataclasses.fields(getattr(cfg, sec)):
+            out[f"{sec}.{fld.name}"] = getattr(getattr(cfg, sec), fld.name)
+    for key in AGREED_KEYS:
+        sec, name = key.split(".")
+        out[key] = getattr(getattr(cfg, sec), name)
+    return out
+
+
 @register_strategy("diloco")
 class DilocoStrategy(Strategy):
-    config_sections = ("strategy", "diloco")  # + the sections of diloco.inner's strategy (--help-strategy)
+    config_sections = ("strategy", "diloco", "ft")  # + the sections of diloco.inner's strategy (--help-strategy)
 
     @classmethod
     def accepts_fp8_grads(cls, cfg) -> bool:
@@ -110,6 +171,8 @@ class DilocoStrategy(Strategy):
             raise ConfigError("diloco.outer_lr must be > 0, diloco.outer_momentum and diloco.bucket_mb >= 0; "
                               f"got {d.outer_lr}, {d.outer_momentum}, {d.bucket_mb}")
         cls._validate_inner(cfg, world_size // replicas)
+        if cfg.ft.enabled:
+            validate_ft(cfg)
 
     @staticmethod
     def _validate_inner(cfg, per_replica: int) -> None:
@@ -193,15 +256,67 @@ class DilocoStrategy(Strategy):
             return torch.optim.SGD(params, lr=d.outer_lr, momentum=d.outer_momentum,
                                    nesterov=d.outer_nesterov and d.outer_momentum > 0)
 
+        membership = self._ft_membership(inner) if self.cfg.ft.enabled else None
         self.diloco = StreamingDiLoCo(inner.unwrapped(), self.optimizer, comm=self.mesh.replica,
                                       sync_every=d.sync_every, fragments=fragments, delay=d.delay, alpha=d.alpha,
                                       outer_optimizer=outer, wire=d.wire, block_size=d.block_size,
                                       topk_chunk=d.topk_chunk, topk_k=d.topk_k,
                                       error_feedback=ERROR_FEEDBACK[d.error_feedback],
                                       bucket_cap_mb=d.bucket_mb or None,
-                                      bucket_breaks=breaks if shards.weights else None, plan=plan)
+                                      bucket_breaks=breaks if shards.weights else None, plan=plan,
+                                      membership=membership)
+        if membership is not None:  # what every replica group must share, checked at each new quorum
+            self.diloco.agreed_settings.update(ft_agreed_settings(self.cfg, world))
         if shards.weights:  # GTP inside: DiLoCo's per-parameter state is saved in logical (whole) shapes
             self.diloco.state_layout = shards
+
+    def _ft_membership(self, inner: Strategy) -> Any:
+        """This launch as one replica group of a fault-tolerant run: its torchft Manager (healing state: the
+        model and inner optimizer, :mod:`lowband.diloco.ft_state`) and the membership StreamingDiLoCo uses."""
+        import logging
+        import os
+
+        os.environ.setdefault("RUST_LOG", "warn")  # before torchft loads: its Rust side logs every quorum at INFO
+        if os.environ.get("LOWBAND_DEBUG", "") in ("", "0"):  # its Python side warns at every quorum (CPU torch)
+            logging.getLogger("torchft").setLevel(logging.ERROR)
+        from lowband.diloco.ft import TorchftMembership
+        from lowband.diloco.ft_group import FtOptions, build_manager
+        from lowband.diloco.ft_state import load_local_state, local_state
+
+        f = self.cfg.ft
+        options = FtOptions(lighthouse=lighthouse_url(self.cfg), replica_id=f"lowband_group_{f.group}",
+                            min_replicas=f.min_replicas, host=f.host, timeout_s=f.timeout_s,
+                            quorum_timeout_s=f.quorum_timeout_s, connect_timeout_s=f.connect_timeout_s)
+        model, optimizer = inner.unwrapped(), inner.optimizer
+        self.ft_manager, self._ft_store = build_manager(
+            options, self.env.metrics_comm, state_dict=lambda: local_state(model, optimizer),
+            load_state_dict=lambda sd: load_local_state(model, optimizer, sd))
+        return TorchftMembership(self.ft_manager, ledger=self.env.ledger)
+
+    @property
+    def fault_tolerant(self) -> bool:
+        """This launch is one replica group of a fault-tolerant run (``ft.enabled``)."""
+        return getattr(self, "ft_manager", None) is not None
+
+    def register_heal_state(self, key: str, save: Any, load: Any) -> None:
+        """Add state a healing group copies from its peer after the model, inner optimizer and DiLoCo state
+        (the trainer's step and LR schedule): ``save() -> obj`` on the peer, ``load(obj)`` here."""
+        self.ft_manager.register_state_dict_fn(key, load, save)
+
+    def close(self) -> None:
+        """Leave the fault-tolerant run (stop this group's torchft Manager); nothing to do otherwise."""
+        manager = getattr(self, "ft_manager", None)
+        if manager is not None:
+            self.ft_manager = None
+            manager.shutdown(wait=False)
+
+    @classmethod
+    def data_partition(cls, cfg: Any, rank: int, world_size: int) -> tuple[int, int]:
+        """Fault-tolerant groups split the data ``ft.groups`` ways: group ``g``'s rank ``r`` reads part
+        ``g * world_size + r`` of ``ft.groups * world_size``."""
+        if cfg.ft.enabled:
+            return cfg.ft.group * world_size + rank, cfg.ft.groups * world_size
+        return rank, world_size
 
     # ------------------------------------------------------------------------------ the step (inner)
     @contextlib.contextmanager
@@ -245,7 +360,10 @@ class DilocoStrategy(Strategy):
         return int(fn()) if fn is not None else 0
 
     def log_extras(self) -> dict[str, Any]:
-        return {**self.inner.log_extras(), "outer_steps": self.diloco.committed}
+        extras = {**self.inner.log_extras(), "outer_steps": self.diloco.committed}
+        if self.fault_tolerant:  # replica groups in this group's latest quorum
+            extras["ft_groups"] = self.ft_manager.num_participants()
+        return extras
 
     # ----------------------------------------------------------------------------------------------
     # Checkpoint hooks (docs/checkpoints.md); layout: lowband.diloco.state.DilocoCheckpoint, rank-local (no

@@ -1,0 +1,216 @@
+"""Fault-tolerant DiLoCo in the trainer: each replica group is its own ``python -m lowband.train`` launch
+with an ``[ft]`` section, meeting the others through a Lighthouse (here in the test process).
+
+* a group SIGKILLed mid-run and started again with the same command heals from the live group (model,
+  inner optimizer, DiLoCo state, the trainer's step and LR position) and both end with bitwise equal
+  models, while the survivor ran every step in one process;
+* groups whose settings differ are refused at their first quorum, on both, naming the key (exit 2);
+* a Lighthouse that is unreachable at start is one line and exit 2; one that disappears during training
+  ends the run after ``ft.quorum_timeout_s`` with one line and exit 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from torchft._torchft import LighthouseServer
+
+from tests.cli.cli_util import RUN_TIMEOUT_S, cli_args, cli_env
+
+FT_TOML = """\
+[run]
+name = "g"
+steps = {steps}
+log_every = 1
+val_every = 0
+val_batches = 1
+world_size = 1
+timeout_s = 60
+plot = false
+[model]
+n_layer = 1
+n_embd = 32
+n_head = 2
+seq_len = 32
+[data]
+batch_size = 2
+[strategy]
+name = "diloco"
+[diloco]
+num_replicas = 1
+sync_every = 4
+fragments = 1
+delay = 1
+[ft]
+enabled = true
+groups = 2
+host = "127.0.0.1"
+timeout_s = 20
+connect_timeout_s = 20
+"""
+
+
+class Group:
+    """One replica group's launch; its stdout lines are collected as they come."""
+
+    def __init__(self, cwd: Path, group: int, url: str, *overrides: str) -> None:
+        args = cli_args(f"--run.name=g{group}", f"--ft.group={group}", f"--ft.lighthouse={url}", *overrides)
+        args[args.index("tiny.toml")] = "ft.toml"
+        self.proc = subprocess.Popen(args, cwd=cwd, env=cli_env({"RUST_LOG": "error"}), stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, predicate, what: str) -> str:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        seen = 0
+        while time.monotonic() < deadline:
+            while seen < len(self.lines):
+                seen += 1
+                if predicate(self.lines[seen - 1]):
+                    return self.lines[seen - 1]
+            if self.proc.poll() is not None and seen == len(self.lines):
+                self._reader.join(5)
+                if seen == len(self.lines):
+                    raise AssertionError(f"the group ended (exit {self.proc.returncode}) before {what}:\n"
+                                         + "\n".join(self.lines[-20:]) + "\n" + self.proc.stderr.read())
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    def finish(self) -> tuple[int, str]:
+        _, err = self.proc.communicate(timeout=RUN_TIMEOUT_S)
+        self._reader.join(10)
+        return self.proc.returncode, err
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.communicate()
+
+
+def _outer_steps(line: str) -> int:
+    return int(line.split("outer_steps ", 1)[1].split()[0]) if "outer_steps " in line else -1
+
+
+@pytest.fixture
+def lighthouse():  # type: ignore[no-untyped-def]
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=30_000, heartbeat_timeout_ms=1_000)
+    try:
+        yield server, "http://127.0.0.1:" + server.address().rsplit(":", 1)[1]
+    finally:
+        try:
+            server.shutdown()
+        except Exception:  # a test already shut it down
+            pass
+
+
+def test_killed_group_rejoins_heals_and_ends_equal(tmp_path: Path, lighthouse) -> None:  # type: ignore[no-untyped-def]
+    _, url = lighthouse
+    steps = 48  # a multiple of sync_every: both groups end on a sync, their models then equal the global copy
+    (tmp_path / "ft.toml").write_text(FT_TOML.format(steps=steps))
+    g0, g1 = Group(tmp_path, 0, url), Group(tmp_path, 1, url)
+    groups = [g0, g1]
+    try:
+        g1.wait_for(lambda ln: _outer_steps(ln) >= 2, "group 1 committed 2 outer steps")
+        g1.proc.send_signal(signal.SIGKILL)
+        g1.proc.communicate()
+        os.kill(g0.proc.pid, signal.SIGSTOP)  # hold the survivor until the new group 1 is up (a slow machine)
+        try:
+            g1 = Group(tmp_path, 1, url)
+            groups.append(g1)
+            g1.wait_for(lambda ln: ln.startswith("lowband.train: strategy diloco"), "group 1 restarted")
+        finally:
+            os.kill(g0.proc.pid, signal.SIGCONT)
+        healed = g1.wait_for(lambda ln: "healed from a live peer" in ln, "group 1 healed")
+        (code0, err0), (code1, err1) = g0.finish(), g1.finish()
+    finally:
+        for g in groups:
+            g.kill()
+    assert code0 == 0 and code1 == 0, (err0, err1)
+    assert "Traceback" not in err0 + err1 and "GET /checkpoint" not in err0 + err1, (err0, err1)
+    # the restarted group continued at the survivor's step (not its own step 1), with the survivor's LR position
+    at = int(healed.rsplit("its step ", 1)[1])
+    assert 4 < at <= steps, healed
+    rows = {g: [json.loads(ln) for ln in (tmp_path / "runs" / f"g{g}" / "metrics.jsonl").read_text().splitlines()]
+            for g in (0, 1)}
+    survivor = [r["step"] for r in rows[0] if "loss" in r]
+    assert survivor == list(range(1, steps + 1))  # one process, every step, never restarted
+    # the new group 1 started at step 1 (it may train alone until it meets the survivor), then jumped
+    restarted = [r["step"] for r in rows[1] if "loss" in r]
+    assert restarted[0] == 1 and restarted[-1] == steps and restarted == sorted(set(restarted)), restarted
+    assert at in restarted and restarted[restarted.index(at) - 1] < at - 1, (at, restarted)
+    by_step = {r["step"]: r for r in rows[1] if "loss" in r}
+    # a row's lr is the one its step used: from the step after the heal on, the survivor's schedule
+    assert by_step[at + 1]["lr"] == next(r for r in rows[0] if r.get("step") == at + 1)["lr"]
+    final = {g: next(r for r in reversed(rows[g]) if "loss" in r) for g in (0, 1)}
+    assert final[0]["extras"]["outer_steps"] == final[1]["extras"]["outer_steps"] == steps // 4
+    assert final[0]["extras"]["ft_groups"] == final[1]["extras"]["ft_groups"] == 2
+    from safetensors.torch import load_file
+
+    m0 = load_file(tmp_path / "runs" / "g0" / "model.safetensors")
+    m1 = load_file(tmp_path / "runs" / "g1" / "model.safetensors")
+    assert m0.keys() == m1.keys() and all(m0[k].equal(m1[k]) for k in m0), "the groups' final models differ"
+
+
+def test_groups_with_different_settings_are_refused_by_name(tmp_path: Path, lighthouse) -> None:  # type: ignore[no-untyped-def]
+    _, url = lighthouse
+    (tmp_path / "ft.toml").write_text(FT_TOML.format(steps=24))
+    groups = [Group(tmp_path, 0, url, "--ft.min_replicas=2"),
+              Group(tmp_path, 1, url, "--ft.min_replicas=2", "--optim.lr=0.002")]
+    try:
+        results = [g.finish() for g in groups]
+    finally:
+        for g in groups:
+            g.kill()
+    for code, err in results:
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert code == 2 and len(lines) == 1, err
+        assert lines[0].startswith("lowband.train: error: diloco ft: replica groups disagree on optim.lr"), err
+
+
+def test_lighthouse_unreachable_at_start_and_lost_during_training(tmp_path: Path) -> None:
+    (tmp_path / "ft.toml").write_text(FT_TOML.format(steps=100_000))
+    # nothing listens on the port of a closed socket's address: one line, exit 2, before any step
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    start = Group(tmp_path, 0, dead, "--ft.connect_timeout_s=1")
+    code, err = start.finish()
+    assert code == 2 and not any(ln.startswith("step") for ln in start.lines), err
+    assert err.strip().startswith(f"lowband.train: error: no torchft Lighthouse answered at {dead} within 1 s"), err
+    assert len(err.strip().splitlines()) == 1, err
+    # the Lighthouse (its own process: an in-process one keeps answering after shutdown()) is killed after the
+    # group trained: the group's next quorum times out, one line, exit 1
+    lighthouse = subprocess.Popen([sys.executable, "-m", "lowband.lighthouse", "--min-replicas", "1", "--bind",
+                                   "127.0.0.1:0"], cwd=tmp_path, env=cli_env({"RUST_LOG": "error"}),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    g = None
+    try:
+        url = lighthouse.stdout.readline().split("listening on ", 1)[1].split(" ", 1)[0]  # type: ignore[union-attr]
+        g = Group(tmp_path, 1, url, "--ft.quorum_timeout_s=2")
+        g.wait_for(lambda ln: _outer_steps(ln) >= 1, "an outer step")
+        lighthouse.kill()
+        code, err = g.finish()
+    finally:
+        lighthouse.kill()
+        lighthouse.communicate()
+        if g is not None:
+            g.kill()
+    assert code == 1, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("lowband.train: error: diloco ft: no quorum formed within 2 s"), err
