@@ -267,6 +267,7 @@ class DilocoStrategy(Strategy):
                                       membership=membership)
         if membership is not None:  # what every replica group must share, checked at each new quorum
             self.diloco.agreed_settings.update(ft_agreed_settings(self.cfg, world))
+            self.diloco.add_attempt_callback(lambda _d, _i, ok: self._count_attempt(ok))
         if shards.weights:  # GTP inside: DiLoCo's per-parameter state is saved in logical (whole) shapes
             self.diloco.state_layout = shards
 
@@ -288,10 +289,19 @@ class DilocoStrategy(Strategy):
                             min_replicas=f.min_replicas, host=f.host, timeout_s=f.timeout_s,
                             quorum_timeout_s=f.quorum_timeout_s, connect_timeout_s=f.connect_timeout_s)
         model, optimizer = inner.unwrapped(), inner.optimizer
+        self.ft_counts = {"heals": 0, "rollbacks": 0}  # for the log line: heals from a peer, rolled-back syncs
+
+        def heal(sd: Any) -> None:
+            load_local_state(model, optimizer, sd)
+            self.ft_counts["heals"] += 1
+
         self.ft_manager, self._ft_store = build_manager(
-            options, self.env.metrics_comm, state_dict=lambda: local_state(model, optimizer),
-            load_state_dict=lambda sd: load_local_state(model, optimizer, sd))
+            options, self.env.metrics_comm, state_dict=lambda: local_state(model, optimizer), load_state_dict=heal)
         return TorchftMembership(self.ft_manager, ledger=self.env.ledger)
+
+    def _count_attempt(self, committed: bool) -> None:
+        if not committed:
+            self.ft_counts["rollbacks"] += 1
 
     @property
     def fault_tolerant(self) -> bool:
@@ -361,8 +371,9 @@ class DilocoStrategy(Strategy):
 
     def log_extras(self) -> dict[str, Any]:
         extras = {**self.inner.log_extras(), "outer_steps": self.diloco.committed}
-        if self.fault_tolerant:  # replica groups in this group's latest quorum
-            extras["ft_groups"] = self.ft_manager.num_participants()
+        if self.fault_tolerant:  # groups in the latest quorum; heals from a peer and rolled-back syncs so far
+            extras.update(ft_groups=self.ft_manager.num_participants(), ft_heals=self.ft_counts["heals"],
+                          ft_rollbacks=self.ft_counts["rollbacks"])
         return extras
 
     # ----------------------------------------------------------------------------------------------
