@@ -24,7 +24,8 @@ def run_summary(comm: Comm, *, strategy: str, world_size: int, start_step: int, 
                 tokens_per_step: int, wall_time_s: float, train_time_s: float, final_loss: float | None,
                 final_val_loss: float | None, wire_bytes_total: int, wire_bytes_cumulative: int,
                 allreduce_ref_bytes_total: int, peak_mem_bytes: int, skipped_steps: list[int],
-                checkpoint: str | None, model_path: str | None, stopped_by: int = 0) -> dict[str, Any]:
+                checkpoint: str | None, model_path: str | None, stopped_by: int = 0,
+                steps_trained: int | None = None) -> dict[str, Any]:
     """The summary of a run (collective over ``comm``; see the module docstring).
 
     Args:
@@ -39,6 +40,9 @@ def run_summary(comm: Comm, *, strategy: str, world_size: int, start_step: int, 
         peak_mem_bytes: this rank's peak memory (the summary holds the maximum over ranks).
         skipped_steps: 1-based steps the non-finite guard skipped (the whole run, checkpointed part included).
         checkpoint: the last checkpoint this run wrote, or ``None``; model_path: the exported model, or ``None``.
+        steps_trained: the optimizer steps this run trained when fewer than ``end_step - start_step`` (a
+            fault-tolerant DiLoCo group healed from a peer jumps to the peer's step); ``steps`` and ``tokens``
+            count only these.
 
     Returns:
         A JSON-ready dict: ``strategy``, ``world_size``, ``start_step``, ``end_step``, ``steps``,
@@ -51,7 +55,7 @@ def run_summary(comm: Comm, *, strategy: str, world_size: int, start_step: int, 
     """
     most = torch.tensor([float(peak_mem_bytes), float(wire_bytes_total)], dtype=torch.float64)
     comm.all_reduce(most, "max", tag="summary")
-    steps = end_step - start_step
+    steps = end_step - start_step if steps_trained is None else steps_trained
     tokens = steps * tokens_per_step
     return {
         "strategy": strategy, "world_size": world_size, "start_step": start_step, "end_step": end_step,
@@ -85,6 +89,10 @@ def format_summary(s: dict[str, Any]) -> str:
         ref = (f"fp32 all-reduce would send {_mb(s['allreduce_ref_bytes_total'])}: "
                f"{s['allreduce_ref_ratio']:.3f}x, {_mb(s['allreduce_ref_saved_bytes'])} saved")
     span = f"steps {s['start_step'] + 1}..{s['end_step']}" if s["steps"] else "no step trained"
+    if s["steps"] and s["steps"] < s["end_step"] - s["start_step"]:
+        span += f" ({s['steps']} trained here, the others healed from a peer)"
+    elif s["steps"] > s["end_step"] - s["start_step"]:
+        span += f" ({s['steps']} trained here: a heal from a peer went back)"
     lines = [
         f"summary: {s['strategy']} on {s['world_size']} rank(s), {span}{resumed}, {s['wall_time_s']:.1f} s wall "
         f"({s['train_time_s']:.1f} s in steps)",

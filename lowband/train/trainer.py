@@ -312,8 +312,10 @@ def _train(cfg: Config, env: DistEnv, *, model_factory: ModelFactory | None, wri
     last_val: float | None = None
     last_checkpoint: str | None = None
     step = start_step - 1
+    trained = 0  # steps this process ran (fewer than end_step - start_step after a heal jumped ahead)
     while step + 1 < end_step:
         step += 1
+        trained += 1
         position["step"] = step
         t0 = time.perf_counter()
         x, y = loader.batch(step)
@@ -405,7 +407,7 @@ def _train(cfg: Config, env: DistEnv, *, model_factory: ModelFactory | None, wri
         wire_bytes_total=meter.run_wire_bytes, wire_bytes_cumulative=meter.cumulative,
         allreduce_ref_bytes_total=meter.run_ref_bytes, peak_mem_bytes=peak_memory_bytes(env.device),
         skipped_steps=list(guard.skipped_steps), checkpoint=last_checkpoint,
-        model_path=None if model_path is None else str(model_path), stopped_by=stopped_by)
+        model_path=None if model_path is None else str(model_path), stopped_by=stopped_by, steps_trained=trained)
     if tb:
         tb.close()
     if env.is_main and log:

@@ -153,6 +153,9 @@ def test_killed_group_rejoins_heals_and_ends_equal(tmp_path: Path, lighthouse) -
     assert restarted[0] == 1 and restarted[-1] == steps and restarted == sorted(set(restarted)), restarted
     assert at in restarted and restarted[restarted.index(at) - 1] < at - 1, (at, restarted)
     by_step = {r["step"]: r for r in rows[1] if "loss" in r}
+    summaries = [json.loads((tmp_path / "runs" / f"g{g}" / "summary.json").read_text()) for g in (0, 1)]
+    assert summaries[0]["steps"] == steps and summaries[1]["steps"] == len(restarted) < steps  # trained here
+    assert summaries[1]["tokens"] == len(restarted) * 2 * 32  # batch 2 x 32 tokens, one rank
     # a row's lr is the one its step used: from the step after the heal on, the survivor's schedule
     assert by_step[at + 1]["lr"] == next(r for r in rows[0] if r.get("step") == at + 1)["lr"]
     final = {g: next(r for r in reversed(rows[g]) if "loss" in r) for g in (0, 1)}

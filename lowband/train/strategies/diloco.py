@@ -278,8 +278,22 @@ class DilocoStrategy(Strategy):
         import os
 
         os.environ.setdefault("RUST_LOG", "warn")  # before torchft loads: its Rust side logs every quorum at INFO
-        if os.environ.get("LOWBAND_DEBUG", "") in ("", "0"):  # its Python side warns at every quorum (CPU torch)
-            logging.getLogger("torchft").setLevel(logging.ERROR)
+        if os.environ.get("LOWBAND_DEBUG", "") in ("", "0"):
+            # torchft's Python side warns at every quorum (CPU torch) and logs a traceback for every collective a
+            # dead peer broke (routed to a rolled-back sync, not an error): into this rank's log file, not stderr
+            from pathlib import Path
+
+            from lowband.train.errors import log_path_for
+
+            path = log_path_for(Path(self.cfg.run.out_dir) / self.cfg.run.name, self.env.rank)
+            assert path is not None
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handler = logging.FileHandler(path, delay=True)
+            handler.setLevel(logging.WARNING)
+            handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+            ft_logger = logging.getLogger("torchft")
+            ft_logger.handlers = [handler]
+            ft_logger.propagate = False
         from lowband.diloco.ft import TorchftMembership
         from lowband.diloco.ft_group import FtOptions, build_manager
         from lowband.diloco.ft_state import load_local_state, local_state
