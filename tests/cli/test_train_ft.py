@@ -12,7 +12,6 @@ with an ``[ft]`` section, meeting the others through a Lighthouse (here in the t
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -61,10 +60,11 @@ connect_timeout_s = 20
 class Group:
     """One replica group's launch; its stdout lines are collected as they come."""
 
-    def __init__(self, cwd: Path, group: int, url: str, *overrides: str) -> None:
+    def __init__(self, cwd: Path, group: int, url: str, *overrides: str, hold: Path | None = None) -> None:
         args = cli_args(f"--run.name=g{group}", f"--ft.group={group}", f"--ft.lighthouse={url}", *overrides)
         args[args.index("tiny.toml")] = "ft.toml"
-        self.proc = subprocess.Popen(args, cwd=cwd, env=cli_env({"RUST_LOG": "error"}), stdout=subprocess.PIPE,
+        env = {"RUST_LOG": "error", "LOWBAND_TEST_HOLD": str(hold or "")}
+        self.proc = subprocess.Popen(args, cwd=cwd, env=cli_env(env), stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -121,19 +121,27 @@ def test_killed_group_rejoins_heals_and_ends_equal(tmp_path: Path, lighthouse) -
     _, url = lighthouse
     steps = 48  # a multiple of sync_every: both groups end on a sync, their models then equal the global copy
     (tmp_path / "ft.toml").write_text(FT_TOML.format(steps=steps))
-    g0, g1 = Group(tmp_path, 0, url), Group(tmp_path, 1, url)
+    # both groups train lowband's GPT through a factory whose forward waits while the file `hold` exists
+    held = ["--model.factory=tests.cli.ft_hold:held_gpt"]
+    hold = tmp_path / "hold"
+    g0, g1 = Group(tmp_path, 0, url, *held, hold=hold), Group(tmp_path, 1, url, *held)
     groups = [g0, g1]
     try:
-        g1.wait_for(lambda ln: _outer_steps(ln) >= 2, "group 1 committed 2 outer steps")
+        # both groups trained together (either may have started first and trained alone for a while)
+        g1.wait_for(lambda ln: _outer_steps(ln) >= 2 and "ft_groups 2 " in ln, "2 outer steps of both groups")
+        before_kill = g0.wait_for(lambda ln: _outer_steps(ln) >= 2 and "ft_groups 2 " in ln,
+                                  "2 outer steps of both groups")
+        # the survivor is held between steps (still in the run: its heartbeats go on) until the new group 1
+        # is up, so that on a fast machine it does not finish first, nor, on a slow one, train ahead of it
+        hold.touch()
         g1.proc.send_signal(signal.SIGKILL)
         g1.proc.communicate()
-        os.kill(g0.proc.pid, signal.SIGSTOP)  # hold the survivor until the new group 1 is up (a slow machine)
         try:
-            g1 = Group(tmp_path, 1, url)
+            g1 = Group(tmp_path, 1, url, *held)
             groups.append(g1)
             g1.wait_for(lambda ln: ln.startswith("lowband.train: strategy diloco"), "group 1 restarted")
         finally:
-            os.kill(g0.proc.pid, signal.SIGCONT)
+            hold.unlink()
         healed = g1.wait_for(lambda ln: "healed from a live peer" in ln, "group 1 healed")
         (code0, err0), (code1, err1) = g0.finish(), g1.finish()
     finally:
@@ -147,14 +155,18 @@ def test_killed_group_rejoins_heals_and_ends_equal(tmp_path: Path, lighthouse) -
     rows = {g: [json.loads(ln) for ln in (tmp_path / "runs" / f"g{g}" / "metrics.jsonl").read_text().splitlines()]
             for g in (0, 1)}
     survivor = [r["step"] for r in rows[0] if "loss" in r]
-    assert survivor == list(range(1, steps + 1))  # one process, every step, never restarted
+    # one process, never restarted: every step from before the kill to the end (it may itself have healed at
+    # its start, from a group 1 that started first)
+    killed_at = int(before_kill.split()[1].split("/")[0])
+    assert survivor[0] == 1 and survivor == sorted(set(survivor))
+    assert [s for s in survivor if s >= killed_at] == list(range(killed_at, steps + 1)), survivor
     # the new group 1 started at step 1 (it may train alone until it meets the survivor), then jumped
     restarted = [r["step"] for r in rows[1] if "loss" in r]
     assert restarted[0] == 1 and restarted[-1] == steps and restarted == sorted(set(restarted)), restarted
     assert at in restarted and restarted[restarted.index(at) - 1] < at - 1, (at, restarted)
     by_step = {r["step"]: r for r in rows[1] if "loss" in r}
     summaries = [json.loads((tmp_path / "runs" / f"g{g}" / "summary.json").read_text()) for g in (0, 1)]
-    assert summaries[0]["steps"] == steps and summaries[1]["steps"] == len(restarted) < steps  # trained here
+    assert summaries[0]["steps"] == len(survivor) and summaries[1]["steps"] == len(restarted) < steps
     assert summaries[1]["tokens"] == len(restarted) * 2 * 32  # batch 2 x 32 tokens, one rank
     # a row's lr is the one its step used: from the step after the heal on, the survivor's schedule
     assert by_step[at + 1]["lr"] == next(r for r in rows[0] if r.get("step") == at + 1)["lr"]
