@@ -29,6 +29,15 @@ every inner strategy syncs the same parameters in the same fragments. With ``gtp
 parameter is this rank's row shard and its peer in every other replica is the same shard (same gtp
 coordinate): the outer all-reduce moves ``1/gtp`` of a sharded weight's bytes per rank.
 
+Fault tolerant (``ft.enabled``): this launch is one replica group (``diloco.num_replicas = 1``); the other
+groups are other launches, met through a torchft Lighthouse. Each rank builds a ``torchft.Manager``
+(:func:`lowband.diloco.ft_group.build_manager`) and StreamingDiLoCo uses
+:class:`lowband.diloco.ft.TorchftMembership`; a group behind the quorum heals from a live peer: the model and
+inner optimizer (:mod:`lowband.diloco.ft_state`), DiLoCo's state, and whatever the trainer registers with
+:meth:`DilocoStrategy.register_heal_state` (its step and LR schedule). The trainer's settings that must agree
+(:func:`ft_agreed_settings`) join DiLoCo's ``agreed_settings``; the data are split ``ft.groups`` ways
+(:meth:`DilocoStrategy.data_partition`). docs/diloco.md, "Training across machines".
+
 State per rank: the model and the inner optimizer state in the inner strategy's layout, plus on CPU one
 global copy of every (local) parameter, the outer momentum and, with error feedback
 (``diloco.error_feedback``, on by default for the message codecs int4 / int2 / topk*), one residual per
