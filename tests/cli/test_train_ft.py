@@ -24,45 +24,19 @@ from torchft._torchft import LighthouseServer
 
 from tests.cli.cli_util import RUN_TIMEOUT_S, cli_args, cli_env
 
-FT_TOML = """\
-[run]
-name = "g"
-steps = {steps}
-log_every = 1
-val_every = 0
-val_batches = 1
-world_size = 1
-timeout_s = 60
-plot = false
-[model]
-n_layer = 1
-n_embd = 32
-n_head = 2
-seq_len = 32
-[data]
-batch_size = 2
-[strategy]
-name = "diloco"
-[diloco]
-num_replicas = 1
-sync_every = 4
-fragments = 1
-delay = 1
-[ft]
-enabled = true
-groups = 2
-host = "127.0.0.1"
-timeout_s = 20
-connect_timeout_s = 20
-"""
+# tests/cli's tiny run (tiny.toml) as one replica group of a fault-tolerant DiLoCo run
+FT_OVERRIDES = ("--run.timeout_s=60", "--strategy.name=diloco", "--diloco.num_replicas=1", "--diloco.sync_every=4",
+                "--diloco.fragments=1", "--diloco.delay=1", "--ft.enabled=true", "--ft.groups=2",
+                "--ft.host=127.0.0.1", "--ft.timeout_s=20", "--ft.connect_timeout_s=20")
 
 
 class Group:
     """One replica group's launch; its stdout lines are collected as they come."""
 
-    def __init__(self, cwd: Path, group: int, url: str, *overrides: str, hold: Path | None = None) -> None:
-        args = cli_args(f"--run.name=g{group}", f"--ft.group={group}", f"--ft.lighthouse={url}", *overrides)
-        args[args.index("tiny.toml")] = "ft.toml"
+    def __init__(self, cwd: Path, group: int, url: str, *overrides: str, steps: int,
+                 hold: Path | None = None) -> None:
+        args = cli_args(*FT_OVERRIDES, f"--run.steps={steps}", f"--run.name=g{group}", f"--ft.group={group}",
+                        f"--ft.lighthouse={url}", *overrides)
         env = {"RUST_LOG": "error", "LOWBAND_TEST_HOLD": str(hold or "")}
         self.proc = subprocess.Popen(args, cwd=cwd, env=cli_env(env), stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
@@ -117,14 +91,13 @@ def lighthouse():  # type: ignore[no-untyped-def]
             pass
 
 
-def test_killed_group_rejoins_heals_and_ends_equal(tmp_path: Path, lighthouse) -> None:  # type: ignore[no-untyped-def]
+def test_killed_group_rejoins_heals_and_ends_equal(tiny: Path, lighthouse) -> None:  # type: ignore[no-untyped-def]
     _, url = lighthouse
     steps = 48  # a multiple of sync_every: both groups end on a sync, their models then equal the global copy
-    (tmp_path / "ft.toml").write_text(FT_TOML.format(steps=steps))
     # both groups train lowband's GPT through a factory whose forward waits while the file `hold` exists
     held = ["--model.factory=tests.cli.ft_hold:held_gpt"]
-    hold = tmp_path / "hold"
-    g0, g1 = Group(tmp_path, 0, url, *held, hold=hold), Group(tmp_path, 1, url, *held)
+    hold = tiny / "hold"
+    g0, g1 = Group(tiny, 0, url, *held, steps=steps, hold=hold), Group(tiny, 1, url, *held, steps=steps)
     groups = [g0, g1]
     try:
         # both groups trained together (either may have started first and trained alone for a while)
@@ -137,7 +110,7 @@ def test_killed_group_rejoins_heals_and_ends_equal(tmp_path: Path, lighthouse) -
         g1.proc.send_signal(signal.SIGKILL)
         g1.proc.communicate()
         try:
-            g1 = Group(tmp_path, 1, url, *held)
+            g1 = Group(tiny, 1, url, *held, steps=steps)
             groups.append(g1)
             g1.wait_for(lambda ln: ln.startswith("lowband.train: strategy diloco"), "group 1 restarted")
         finally:
@@ -152,7 +125,7 @@ def test_killed_group_rejoins_heals_and_ends_equal(tmp_path: Path, lighthouse) -
     # the restarted group continued at the survivor's step (not its own step 1), with the survivor's LR position
     at = int(healed.rsplit("its step ", 1)[1])
     assert 4 < at <= steps, healed
-    rows = {g: [json.loads(ln) for ln in (tmp_path / "runs" / f"g{g}" / "metrics.jsonl").read_text().splitlines()]
+    rows = {g: [json.loads(ln) for ln in (tiny / "runs" / f"g{g}" / "metrics.jsonl").read_text().splitlines()]
             for g in (0, 1)}
     survivor = [r["step"] for r in rows[0] if "loss" in r]
     # one process, never restarted: every step from before the kill to the end (it may itself have healed at
@@ -165,7 +138,7 @@ def test_killed_group_rejoins_heals_and_ends_equal(tmp_path: Path, lighthouse) -
     assert restarted[0] == 1 and restarted[-1] == steps and restarted == sorted(set(restarted)), restarted
     assert at in restarted and restarted[restarted.index(at) - 1] < at - 1, (at, restarted)
     by_step = {r["step"]: r for r in rows[1] if "loss" in r}
-    summaries = [json.loads((tmp_path / "runs" / f"g{g}" / "summary.json").read_text()) for g in (0, 1)]
+    summaries = [json.loads((tiny / "runs" / f"g{g}" / "summary.json").read_text()) for g in (0, 1)]
     assert summaries[0]["steps"] == len(survivor) and summaries[1]["steps"] == len(restarted) < steps
     assert summaries[1]["tokens"] == len(restarted) * 2 * 32  # batch 2 x 32 tokens, one rank
     # a row's lr is the one its step used: from the step after the heal on, the survivor's schedule
@@ -176,16 +149,15 @@ def test_killed_group_rejoins_heals_and_ends_equal(tmp_path: Path, lighthouse) -
     assert final[1]["extras"]["ft_heals"] >= 1  # the survivor may have healed too, at the first quorum
     from safetensors.torch import load_file
 
-    m0 = load_file(tmp_path / "runs" / "g0" / "model.safetensors")
-    m1 = load_file(tmp_path / "runs" / "g1" / "model.safetensors")
+    m0 = load_file(tiny / "runs" / "g0" / "model.safetensors")
+    m1 = load_file(tiny / "runs" / "g1" / "model.safetensors")
     assert m0.keys() == m1.keys() and all(m0[k].equal(m1[k]) for k in m0), "the groups' final models differ"
 
 
-def test_groups_with_different_settings_are_refused_by_name(tmp_path: Path, lighthouse) -> None:  # type: ignore[no-untyped-def]
+def test_groups_with_different_settings_are_refused_by_name(tiny: Path, lighthouse) -> None:  # type: ignore[no-untyped-def]
     _, url = lighthouse
-    (tmp_path / "ft.toml").write_text(FT_TOML.format(steps=24))
-    groups = [Group(tmp_path, 0, url, "--ft.min_replicas=2"),
-              Group(tmp_path, 1, url, "--ft.min_replicas=2", "--optim.lr=0.002")]
+    groups = [Group(tiny, 0, url, "--ft.min_replicas=2", steps=24),
+              Group(tiny, 1, url, "--ft.min_replicas=2", "--optim.lr=0.002", steps=24)]
     try:
         results = [g.finish() for g in groups]
     finally:
@@ -197,15 +169,14 @@ def test_groups_with_different_settings_are_refused_by_name(tmp_path: Path, ligh
         assert lines[0].startswith("lowband.train: error: diloco ft: replica groups disagree on optim.lr"), err
 
 
-def test_lighthouse_unreachable_at_start_and_lost_during_training(tmp_path: Path) -> None:
-    (tmp_path / "ft.toml").write_text(FT_TOML.format(steps=100_000))
+def test_lighthouse_unreachable_at_start_and_lost_during_training(tiny: Path) -> None:
     # nothing listens on the port of a closed socket's address: one line, exit 2, before any step
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-    start = Group(tmp_path, 0, dead, "--ft.connect_timeout_s=1")
+    start = Group(tiny, 0, dead, "--ft.connect_timeout_s=1", steps=100_000)
     code, err = start.finish()
     assert code == 2 and not any(ln.startswith("step") for ln in start.lines), err
     assert err.strip().startswith(f"lowband.train: error: no torchft Lighthouse answered at {dead} within 1 s"), err
@@ -213,12 +184,12 @@ def test_lighthouse_unreachable_at_start_and_lost_during_training(tmp_path: Path
     # the Lighthouse (its own process: an in-process one keeps answering after shutdown()) is killed after the
     # group trained: the group's next quorum times out, one line, exit 1
     lighthouse = subprocess.Popen([sys.executable, "-m", "lowband.lighthouse", "--min-replicas", "1", "--bind",
-                                   "127.0.0.1:0"], cwd=tmp_path, env=cli_env({"RUST_LOG": "error"}),
+                                   "127.0.0.1:0"], cwd=tiny, env=cli_env({"RUST_LOG": "error"}),
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     g = None
     try:
         url = lighthouse.stdout.readline().split("listening on ", 1)[1].split(" ", 1)[0]  # type: ignore[union-attr]
-        g = Group(tmp_path, 1, url, "--ft.quorum_timeout_s=2")
+        g = Group(tiny, 1, url, "--ft.quorum_timeout_s=2", steps=100_000)
         g.wait_for(lambda ln: _outer_steps(ln) >= 1, "an outer step")
         lighthouse.kill()
         code, err = g.finish()
