@@ -10,6 +10,7 @@ SUITES: dict[str, str] = {
     "comm": "lowband.bench.comm",
     "dp": "lowband.bench.dp",
     "diloco": "lowband.bench.diloco",
+    "goodput": "lowband.bench.goodput",
     "gtp": "lowband.bench.gtp",
     "link": "lowband.bench.link",
     "rekls": "lowband.bench.rekls",

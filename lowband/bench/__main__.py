@@ -96,6 +96,23 @@ def _suite_name(argv: list[str]) -> str | None:
     return known.suite
 
 
+def launcher_main(suite: str, mod: object, opts: dict) -> dict:
+    """A suite that starts its own processes (``LAUNCHER = True``: ``link``, ``goodput``) runs in this process, so
+    that SIGINT / SIGTERM reach its clean-up (namespaces, processes) instead of killing a spawned rank."""
+    import torch
+
+    body = mod.run(_LauncherEnv(), opts)  # type: ignore[attr-defined]
+    world = int(opts.get("groups") or opts["world"])
+    return {"suite": suite, "world_size": world, "backend": "gloo", "device": "cpu", "torch": torch.__version__,
+            **body}
+
+
+class _LauncherEnv:
+    """What a launcher suite's ``run(env, opts)`` reads of the rank environment: it is rank 0."""
+
+    rank = 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -112,8 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     if opts["world"] < 1 or opts["repeats"] < 1 or opts["warmup"] < 0:
         print(f"{PROG}: error: --world and --repeats must be positive, --warmup >= 0", file=sys.stderr)
         return 2
-    out = opts["out"] or f"bench_out/{suite}-w{opts['world']}.json"
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    mod = importlib.import_module(SUITES[suite])
+    out = opts["out"] or getattr(mod, "DEFAULT_OUT", None) or f"bench_out/{suite}-w{opts['world']}.json"
+    if getattr(mod, "LAUNCHER", False):
+        doc = launcher_main(suite, mod, {**opts, "out": out})
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         doc = rank_main(suite, opts)
     else:
         from lowband.testing import own_pools, run_ranks

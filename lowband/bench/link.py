@@ -20,9 +20,9 @@ Outputs: the shared bench JSON (one row per contender and bandwidth, ``name = co
 Needs root (or CAP_NET_ADMIN + CAP_SYS_ADMIN): without it, one line and exit code 2. Every namespace,
 link and qdisc is removed on every exit path; each bandwidth's run is bounded by ``--time-limit``.
 
-When started through ``python -m lowband.bench`` the bench harness spawns ``--world`` local gloo
-processes; rank 0 of those is the launcher and the others return at once (the ranks that train are
-the ones started inside the namespaces).
+``python -m lowband.bench link`` runs the launcher in its own process (``LAUNCHER``: no local gloo ranks are
+spawned, and SIGINT / SIGTERM reach the clean-up); the ranks that train are the ones started inside the
+namespaces.
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ from lowband.bench.netns import (
 )
 
 DEFAULT_BANDWIDTHS = "1gbit,100mbit,10mbit"
+LAUNCHER = True
+"""``python -m lowband.bench`` runs this suite in its own process (it starts its own ranks; see
+``lowband.bench.__main__.launcher_main``)."""
 BASELINE = "ddp"
 NOT_LOWBAND = ("ddp", "zero", "fsdp2")
 """Contenders that are torch's own; "lowband's best" is the best of the rest."""
@@ -438,7 +441,7 @@ def finish_outputs(doc: dict[str, Any], stem: Path) -> list[Path]:
 
 
 def run(env: Any, opts: dict[str, Any]) -> dict[str, Any]:
-    """Suite entry of ``python -m lowband.bench link`` (rank 0 of the harness's local ranks launches)."""
+    """Suite entry of ``python -m lowband.bench link`` (called in that process: ``LAUNCHER``)."""
     if env.rank != 0:
         return {"config": {}, "results": []}
     stem = default_out(opts).with_suffix("")

@@ -25,7 +25,7 @@ def run_summary(comm: Comm, *, strategy: str, world_size: int, start_step: int, 
                 final_val_loss: float | None, wire_bytes_total: int, wire_bytes_cumulative: int,
                 allreduce_ref_bytes_total: int, peak_mem_bytes: int, skipped_steps: list[int],
                 checkpoint: str | None, model_path: str | None, stopped_by: int = 0,
-                steps_trained: int | None = None) -> dict[str, Any]:
+                steps_trained: int | None = None, extras: dict[str, Any] | None = None) -> dict[str, Any]:
     """The summary of a run (collective over ``comm``; see the module docstring).
 
     Args:
@@ -43,6 +43,7 @@ def run_summary(comm: Comm, *, strategy: str, world_size: int, start_step: int, 
         steps_trained: the optimizer steps this run trained when fewer than ``end_step - start_step`` (a
             fault-tolerant DiLoCo group healed from a peer jumps to the peer's step); ``steps`` and ``tokens``
             count only these.
+        extras: the strategy's own fields (:meth:`Strategy.summary_extras`), added as they are.
 
     Returns:
         A JSON-ready dict: ``strategy``, ``world_size``, ``start_step``, ``end_step``, ``steps``,
@@ -67,7 +68,7 @@ def run_summary(comm: Comm, *, strategy: str, world_size: int, start_step: int, 
         "allreduce_ref_ratio": wire_bytes_total / allreduce_ref_bytes_total if allreduce_ref_bytes_total else None,
         "allreduce_ref_saved_bytes": allreduce_ref_bytes_total - wire_bytes_total,
         "peak_mem_bytes": int(most[0]), "skipped_steps": list(skipped_steps), "skipped_total": len(skipped_steps),
-        "checkpoint": checkpoint, "model_path": model_path, "stopped_by": stopped_by,
+        "checkpoint": checkpoint, "model_path": model_path, "stopped_by": stopped_by, **(extras or {}),
     }
 
 

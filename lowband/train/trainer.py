@@ -407,7 +407,8 @@ def _train(cfg: Config, env: DistEnv, *, model_factory: ModelFactory | None, wri
         wire_bytes_total=meter.run_wire_bytes, wire_bytes_cumulative=meter.cumulative,
         allreduce_ref_bytes_total=meter.run_ref_bytes, peak_mem_bytes=peak_memory_bytes(env.device),
         skipped_steps=list(guard.skipped_steps), checkpoint=last_checkpoint,
-        model_path=None if model_path is None else str(model_path), stopped_by=stopped_by, steps_trained=trained)
+        model_path=None if model_path is None else str(model_path), stopped_by=stopped_by, steps_trained=trained,
+        extras=strategy.summary_extras())
     if tb:
         tb.close()
     if env.is_main and log:

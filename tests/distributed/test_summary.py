@@ -6,6 +6,7 @@ Every figure is recomputed from the training ledger's records: the worker notes 
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import itertools
 import json
@@ -61,12 +62,15 @@ def _recorded_run(cfg: Config, *, write_run_dir: bool = False, stop_after: int |
     finally:
         del ledger.mark_step
     per_step = [sum(r.wire_bytes for r in ledger.records[a:b]) for a, b in itertools.pairwise(bounds)]
+    digest = hashlib.sha256()
+    for g in (t for ts in getattr(getattr(res.strategy, "diloco", None), "globals", []) for t in ts):
+        digest.update(g.contiguous().view(torch.uint8).numpy().tobytes())
     nparams = sum(math.prod(s) for s, _ in res.strategy.param_shapes().values())
     return {"rows": [r for r in res.rows if "loss" in r], "val_rows": [r for r in res.rows if "val_loss" in r],
             "per_step": per_step, "summary": res.summary, "start": res.start_step, "final_loss": res.final_loss,
             "final_val_loss": res.final_val_loss, "model_path": None if res.model_path is None else str(res.model_path),
             "ref_per_step": ring_wire_bytes("all_reduce", cfg.run.world_size, 4 * nparams),
-            "peak_after": peak_memory_bytes(torch.device("cpu"))}
+            "peak_after": peak_memory_bytes(torch.device("cpu")), "globals_sha256": digest.hexdigest()}
 
 
 def _interval_of(rows: list[dict[str, Any]], i: int, first_step: int = 1) -> range:
@@ -109,6 +113,12 @@ def test_diloco_rows_are_interval_means_of_the_ledger_bytes(shard: str, world: i
             np.testing.assert_allclose(row["tokens_per_s"] * row["step_time_s"], tokens, rtol=1e-12)
         assert [r["wire_bytes"] for r in ref_rows] == per_step  # log_every = 1: a row per step, its own bytes
         assert [r["interval_steps"] for r in ref_rows] == [1] * 8
+    # the summary's digests of every rank's global copies (python -m lowband.bench goodput compares them across
+    # groups): one per rank, each that rank's own, equal over the replicas; 8 steps, sync every 4: 2 commits
+    digests = [o["globals_sha256"] for o in out]
+    assert len(set(digests)) == 1
+    for o in out:
+        assert o["summary"]["outer_steps"] == 2 and o["summary"]["diloco_global_sha256"] == digests
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -146,12 +146,13 @@ def test_leftover_of_a_crashed_run_is_removed_and_a_live_run_kept() -> None:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def test_without_privileges_one_line_and_exit_2() -> None:
-    cmd = [sys.executable, "-m", "lowband.bench", "link", "--world", "2"]
+@pytest.mark.parametrize("suite", ["link", "goodput"])
+def test_without_privileges_one_line_and_exit_2(suite: str) -> None:
+    cmd = [sys.executable, "-m", "lowband.bench", suite, "--world", "2"]
     if os.geteuid() == 0:  # stay uid 0 (the checkout may be readable by root only) but drop every capability
         cmd = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", *cmd]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "HOME": "/tmp"})
     assert p.returncode == 2, p.stderr
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and "needs root" in lines[0], p.stderr
+    assert len(lines) == 1 and f"the {suite} suite needs root" in lines[0], p.stderr

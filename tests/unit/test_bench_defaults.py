@@ -2,8 +2,9 @@
 with no contender list, its sizes turned down by ``--quick``, on 2 CPU ranks (through the command's
 ``main``, in this process).
 
-Not run here: ``link`` (it builds network namespaces and tc qdiscs: root only; tests/link covers it,
-including its one-line refusal without privileges), whose default invocation is documented with ``sudo``.
+Not run here: ``link`` and ``goodput`` (they build network namespaces and tc qdiscs: root only; tests/link
+covers them, including the link suite's one-line refusal without privileges), whose default invocations are
+documented with ``sudo``; ``goodput``'s runs last minutes by design (a fault must outlast a group's restart).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from lowband.bench import SUITES
 from lowband.bench.__main__ import apply_quick, main, suite_parser
 
 ROOT = Path(__file__).resolve().parents[2]
-NOT_RUN = {"link": "needs root and network namespaces (tests/link)"}
+NOT_RUN = {"link": "needs root and network namespaces (tests/link)",
+           "goodput": "needs root and network namespaces; minutes per run (tests/link/test_goodput_units.py)"}
 
 
 def test_every_suite_has_quick_settings_for_existing_options() -> None:

@@ -137,6 +137,11 @@ class Strategy:
         """Only fault-tolerant strategies heal from a peer."""
         raise NotImplementedError(f"strategy {self.name} does not heal from a peer")
 
+    def summary_extras(self) -> dict[str, Any]:
+        """Strategy-specific fields of the run summary (``summary.json``), called once at the end of the run on
+        every rank alike (it may run a collective). Default: none."""
+        return {}
+
     def close(self) -> None:
         """Release what :meth:`setup` started outside the process group (called once, at the end of the run,
         also after an error). Default: nothing."""

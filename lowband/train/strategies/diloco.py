@@ -47,6 +47,7 @@ parameter (all counted in ``optimizer_state_bytes``).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -398,6 +399,18 @@ class DilocoStrategy(Strategy):
             extras.update(ft_groups=self.ft_manager.num_participants(), ft_heals=self.ft_counts["heals"],
                           ft_rollbacks=self.ft_counts["rollbacks"])
         return extras
+
+    def summary_extras(self) -> dict[str, Any]:
+        """``outer_steps`` (committed outer syncs) and ``diloco_global_sha256``: per rank of this job, the SHA-256
+        of that rank's global copies (every fragment, in order, raw bytes); one ``all_gather_object`` of the
+        hex strings (tag ``summary``). Replicas that agree have equal digests rank for rank, which is how
+        ``python -m lowband.bench goodput`` checks that the groups of a fault-tolerant run ended bitwise equal."""
+        digest = hashlib.sha256()
+        for gs in self.diloco.globals:
+            for g in gs:
+                digest.update(g.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        per_rank = self.env.metrics_comm.all_gather_object(digest.hexdigest(), tag="summary")
+        return {"outer_steps": self.diloco.committed, "diloco_global_sha256": per_rank}
 
     # ----------------------------------------------------------------------------------------------
     # Checkpoint hooks (docs/checkpoints.md); layout: lowband.diloco.state.DilocoCheckpoint, rank-local (no
