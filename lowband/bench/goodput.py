@@ -291,6 +291,7 @@ def run_scenario(opts: dict[str, Any], contender: str, rate: str, faults: list[F
         return f
 
     # one namespace per group (static: per rank of the job), and one for the Lighthouse
+    load_before = os.getloadavg()  # other work on the machine slows one run and not the other: both are reported
     with ShapedNetwork(groups + (0 if static else 1), rate, mtu=opts["mtu"]) as net:
         base_env = _no_rank_env({**os.environ, **_python_env()})
         url = None
@@ -424,7 +425,8 @@ def run_scenario(opts: dict[str, Any], contender: str, rate: str, faults: list[F
                 launch.finish()
             for f in logs:
                 f.close()
-    return account(opts, contender, incs, events, out_dir, iface)
+    return {**account(opts, contender, incs, events, out_dir, iface),
+            "load_avg": [list(load_before), list(os.getloadavg())]}
 
 
 def _wait_lighthouse(launch: Launch, log_path: Path, timeout_s: float = 120.0) -> str:
@@ -507,7 +509,8 @@ def contender_row(opts: dict[str, Any], contender: str, rate: str, ff: dict[str,
         replicas_bitwise_equal=faulty["replicas_bitwise_equal"],
         fault_free_replicas_bitwise_equal=ff["replicas_bitwise_equal"], run_s=faulty["run_s"],
         fault_free_s=ff["run_s"], committed_steps=faulty["committed_steps"], finished=faulty["finished"],
-        events=faulty["events"], curves=faulty["curves"], fault_free_curves=ff["curves"])
+        events=faulty["events"], curves=faulty["curves"], fault_free_curves=ff["curves"],
+        load_avg={"fault_free": ff.get("load_avg"), "faults": faulty.get("load_avg")})
 
 
 def launch(opts: dict[str, Any], stem: Path) -> dict[str, Any]:

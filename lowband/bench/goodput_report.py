@@ -15,6 +15,13 @@ def _f(v: float | None, fmt: str) -> str:
     return "" if v is None else format(v, fmt)
 
 
+def _loads(load: dict[str, Any] | None) -> str:
+    """``a-b; c-d``: the 1-minute load average before and after the fault-free run, then the run with faults."""
+    if not load or not load.get("fault_free") or not load.get("faults"):
+        return ""
+    return "; ".join(f"{run[0][0]:.1f}-{run[1][0]:.1f}" for run in (load["fault_free"], load["faults"]))
+
+
 def target_checks(doc: dict[str, Any], rate: str) -> list[str]:
     """The issue-22 targets at one bandwidth as lines (met / MISSED with the numbers), for the best compressed
     ft contender (highest goodput among ``ft-<codec>``, fp32 excluded)."""
@@ -65,8 +72,8 @@ def goodput_markdown(doc: dict[str, Any]) -> str:
             continue
         lines += [f"#### {rate}", "",
                   "| contender | goodput | run s | fault-free s | final val | fault-free val | ratio | kills | "
-                  "rejoins | max stall s | heal s | wire MB | iface tx MB | bitwise equal |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+                  "rejoins | max stall s | heal s | wire MB | iface tx MB | bitwise equal | load 1 min (ff; faults) |",
+                  "| --- " + "| ---: " * 12 + "| --- | --- |"]
         for r in rows:
             if "error" in r:
                 lines.append(f"| {r['contender']} | error: {r['error']} |")
@@ -77,7 +84,7 @@ def goodput_markdown(doc: dict[str, Any]) -> str:
                 f"{_f(r['val_loss_ratio'], '.4f')} | {r['kills']} | {r['rejoins']} | {r['max_stall_s']:.2f} | "
                 f"{_f(r['heal_s'], '.1f')} | {r['wire_bytes_total'] / 1e6:.3f} | "
                 f"{r['iface_tx_bytes_total'] / 1e6:.3f} | "
-                f"{'yes' if r['replicas_bitwise_equal'] else 'NO'} |")
+                f"{'yes' if r['replicas_bitwise_equal'] else 'NO'} | {_loads(r.get('load_avg'))} |")
         lines.append("")
         lines += [f"- {t}" for t in target_checks(doc, rate)]
         lines.append("")

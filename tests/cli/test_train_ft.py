@@ -201,3 +201,43 @@ def test_lighthouse_unreachable_at_start_and_lost_during_training(tiny: Path) ->
     assert code == 1, err
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("lowband.train: error: diloco ft: no quorum formed within 2 s"), err
+
+
+def test_every_group_lost_at_once_resumes_from_its_own_checkpoint(tiny: Path, lighthouse) -> None:  # type: ignore[no-untyped-def]
+    """Both groups SIGKILLed together after each wrote a checkpoint; started again with the same commands, each
+    resumes from its own checkpoint (not from step 1), they meet (the one behind heals from the other) and end
+    with bitwise equal models on the last sync."""
+    _, url = lighthouse
+    steps = 48
+    hold = tiny / "hold"
+    args = ("--model.factory=tests.cli.ft_hold:held_gpt", "--checkpoint.every=8")
+    groups = [Group(tiny, g, url, *args, steps=steps, hold=hold) for g in (0, 1)]
+    try:
+        for g in groups:
+            g.wait_for(lambda ln: ln.startswith("lowband.train: checkpoint step-"), "a checkpoint")
+        hold.touch()  # both wait at their next forward: neither finishes before the kill
+        for g in groups:
+            g.proc.send_signal(signal.SIGKILL)
+            g.proc.communicate()
+        saved = {g: sorted(int(p.name.split("-")[1]) for p in (tiny / "runs" / f"g{g}" / "checkpoint").glob("step-*"))
+                 for g in (0, 1)}
+        assert all(saved.values()) and all(s[-1] < steps for s in saved.values()), saved
+        hold.unlink()
+        groups += [Group(tiny, g, url, *args, steps=steps) for g in (0, 1)]
+        resumed = [g.wait_for(lambda ln: ln.startswith("lowband.train: resumed from"), "a resume") for g in groups[2:]]
+        results = [g.finish() for g in groups[2:]]
+    finally:
+        for g in groups:
+            g.kill()
+    for (code, err), line, g in zip(results, resumed, (0, 1), strict=True):
+        assert code == 0 and "Traceback" not in err, err
+        assert int(line.rsplit("(step ", 1)[1].rstrip(")")) in saved[g], (line, saved)  # its own, not step 0
+    from safetensors.torch import load_file
+
+    m0 = load_file(tiny / "runs" / "g0" / "model.safetensors")
+    m1 = load_file(tiny / "runs" / "g1" / "model.safetensors")
+    assert m0.keys() == m1.keys() and all(m0[k].equal(m1[k]) for k in m0), "the groups' final models differ"
+    final = [next(json.loads(ln) for ln in reversed((tiny / "runs" / f"g{g}" / "metrics.jsonl").read_text()
+                                                     .splitlines()) if "loss" in json.loads(ln)) for g in (0, 1)]
+    assert final[0]["step"] == final[1]["step"] == steps
+    assert final[0]["extras"]["outer_steps"] == final[1]["extras"]["outer_steps"] == steps // 4

@@ -119,7 +119,7 @@ def _scenario(run_s: float, committed: list[int], val: float, kills: int = 0, re
             "heal_s_each": [4.0] * rejoins, "heal_s": 4.0 if rejoins else None, "median_step_gap_s": 0.1,
             "wire_bytes_total": 3_000_000, "iface_tx_bytes_total": 3_300_000, "replicas_bitwise_equal": equal,
             "final_val_loss": val, "finished": True, "events": [(12.0, "kill", 1), (16.0, "start", 1)][: 2 * kills],
-            "curves": {"g0-i0": [[1.0, 1, 5.0], [40.0, 100, 3.0]]}}
+            "curves": {"g0-i0": [[1.0, 1, 5.0], [40.0, 100, 3.0]]}, "load_avg": [[run_s / 10, 0, 0], [1.0, 0, 0]]}
 
 
 def test_rows_targets_and_report() -> None:
@@ -143,6 +143,7 @@ def test_rows_targets_and_report() -> None:
     assert checks[2].endswith("met") and checks[3].endswith("met") and checks[4].endswith("met")
     assert checks[5] == "10mbit: ft-topk-int2 kills 2, rejoins 2 (the schedule has 2): met"
     md = goodput_markdown(doc)
+    assert "| yes | 4.0-1.0; 4.1-1.0 |" in md  # the load average around each of its two runs
     assert "| ft-topk-int2 | 0.904 |" in md and "| ft-int8 | error: boom |" in md and "MISSED" in md
     # a run whose groups ended apart, or that lost a rejoin, fails those checks
     bad = contender_row(opts, "ft-int4", "10mbit", ff, _scenario(41.0, [100, 88, 90], 3.2, kills=2, rejoins=1,
