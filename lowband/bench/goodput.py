@@ -537,10 +537,11 @@ def launch(opts: dict[str, Any], stem: Path) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
     runs: dict[str, Any] = {}
     work = Path(tempfile.mkdtemp(prefix="lowband_goodput_"))
+    interrupted = None
     try:
         with signals_as_exceptions():
-            for rate in rates:
-                for c in contenders:
+            for rate, c in ((rate, c) for rate in rates for c in contenders):
+                try:
                     t0 = time.monotonic()
                     try:
                         ff = run_scenario(opts, c, rate, [], None, work, logdir)
@@ -554,6 +555,10 @@ def launch(opts: dict[str, Any], stem: Path) -> dict[str, Any]:
                     runs[f"{c}@{rate}"] = {"wall_s": time.monotonic() - t0}
                     print(f"{TAG}: {c} at {rate}: goodput {results[-1]['goodput']:.3f} "
                           f"({runs[f'{c}@{rate}']['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+                except (KeyboardInterrupt, SystemExit) as e:  # the runs that finished are still reported
+                    interrupted = f"interrupted during {c} at {rate} ({type(e).__name__})"
+                    print(f"{TAG}: {interrupted}: writing the contenders that finished", file=sys.stderr, flush=True)
+                    break
     finally:
         shutil.rmtree(work, ignore_errors=True)
     config = {"groups": opts["groups"], "bandwidths": rates, "contenders": contenders,
@@ -561,9 +566,9 @@ def launch(opts: dict[str, Any], stem: Path) -> dict[str, Any]:
               "sync_every": opts["sync_every"], "fragments": opts["fragments"], "static_wire": opts["static_wire"],
               "static_checkpoint_every": opts["static_checkpoint_every"], "quorum_timeout_s": opts["quorum_timeout"],
               "pg_timeout_s": opts["pg_timeout"], "heartbeat_timeout_ms": opts["heartbeat_timeout_ms"],
-              "join_timeout_ms": opts["join_timeout_ms"], "mtu": opts["mtu"], "runs": runs,
+              "join_timeout_ms": opts["join_timeout_ms"], "mtu": opts["mtu"], "runs": runs, "interrupted": interrupted,
               "goodput": "committed inner steps over groups / (groups x steps x run_s / fault_free_s); run_s: "
-                         "launch to the last step row"}
+                         "from the first step of the last group to start to the last step row"}
     return {"config": config, "results": results}
 
 
@@ -586,4 +591,9 @@ def run(env: Any, opts: dict[str, Any]) -> dict[str, Any]:
            "torch": torch.__version__, **body}
     paths = finish_outputs(doc, stem)
     print(f"{TAG}: wrote {', '.join(map(str, paths))}", file=sys.stderr)
+    if body["config"]["interrupted"]:  # the shared JSON and table now, then the exit status of an interrupt
+        from lowband.bench.harness import write_outputs
+
+        print(f"{TAG}: wrote {', '.join(map(str, write_outputs(doc, default_out(opts))))}", file=sys.stderr)
+        raise SystemExit(130)
     return body

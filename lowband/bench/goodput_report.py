@@ -66,6 +66,8 @@ def goodput_markdown(doc: dict[str, Any]) -> str:
              f"{cfg['fragments']} fragment(s); faults: {faults or 'none'}; static: wire {cfg['static_wire']}, "
              f"checkpoint every {cfg['static_checkpoint_every']} steps; quorum timeout {cfg['quorum_timeout_s']:g} s, "
              f"heartbeat timeout {cfg['heartbeat_timeout_ms']} ms.", ""]
+    if cfg.get("interrupted"):
+        lines += [f"**Incomplete**: {cfg['interrupted']}; only the contenders that finished are below.", ""]
     for rate in cfg["bandwidths"]:
         rows = [r for r in doc["results"] if r["bandwidth"] == rate]
         if not rows:

@@ -21,6 +21,7 @@ from lowband.bench.goodput_account import (
     training_start,
 )
 from lowband.bench.goodput_report import goodput_markdown, target_checks
+from tests.link.conftest import needs_netns
 
 
 def _row(step: int, outer: int, total: int = 20, loss: float = 4.0) -> str:
@@ -144,6 +145,9 @@ def test_rows_targets_and_report() -> None:
     assert checks[5] == "10mbit: ft-topk-int2 kills 2, rejoins 2 (the schedule has 2): met"
     md = goodput_markdown(doc)
     assert "| yes | 4.0-1.0; 4.1-1.0 |" in md  # the load average around each of its two runs
+    assert "Incomplete" not in md
+    assert "**Incomplete**: interrupted during ft-int4" in goodput_markdown(
+        {**doc, "config": {**doc["config"], "interrupted": "interrupted during ft-int4 at 10mbit (SystemExit)"}})
     assert "| ft-topk-int2 | 0.904 |" in md and "| ft-int8 | error: boom |" in md and "MISSED" in md
     # a run whose groups ended apart, or that lost a rejoin, fails those checks
     bad = contender_row(opts, "ft-int4", "10mbit", ff, _scenario(41.0, [100, 88, 90], 3.2, kills=2, rejoins=1,
@@ -151,3 +155,24 @@ def test_rows_targets_and_report() -> None:
     lines = target_checks({**doc, "results": [bad]}, "10mbit")
     assert lines[1].endswith("not checked") and lines[2].endswith("MISSED") and lines[3].endswith("MISSED")
     assert lines[5].endswith("MISSED")
+
+
+@needs_netns
+def test_an_interrupt_keeps_the_contenders_that_finished(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGINT / SIGTERM during the second contender: the first one's row is returned, the run says where it
+    stopped (no namespace is built here: the runs themselves are replaced)."""
+    from lowband.bench import goodput as suite
+
+    def fake(opts, contender, rate, faults, fault_free_s, work, logdir):  # type: ignore[no-untyped-def]
+        if contender == "ft-int8":
+            raise KeyboardInterrupt
+        return _scenario(40.0, [100, 100], 3.0, kills=len(faults), rejoins=len(faults))
+
+    monkeypatch.setattr(suite, "run_scenario", fake)
+    opts = {"groups": 2, "contenders": "ft-topk-int2,ft-int8,static", "faults": "1@0.3+0.1", "steps": 100,
+            "sync_every": 4, "fragments": 1, "static_checkpoint_every": 50, "static_wire": "topk-int2",
+            "config": "configs/diloco-bench.toml", "bandwidths": "10mbit", "quorum_timeout": 60.0, "pg_timeout": 60.0,
+            "heartbeat_timeout_ms": 5000, "join_timeout_ms": 60000, "mtu": 1500}
+    body = suite.launch(opts, tmp_path / "goodput")
+    assert [r["contender"] for r in body["results"]] == ["ft-topk-int2"]
+    assert body["config"]["interrupted"] == "interrupted during ft-int8 at 10mbit (KeyboardInterrupt)"
