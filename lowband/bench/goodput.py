@@ -61,6 +61,7 @@ from lowband.bench.netns import (
     IFNAME,
     MASTER_PORT,
     ShapedNetwork,
+    bandwidth_list,
     format_rate,
     parse_rate,
     privilege_problem,
@@ -115,21 +116,9 @@ def parse_faults(text: str) -> list[Fault]:
 
 
 def _bandwidths(text: str) -> str:
-    """argparse type of ``--bandwidths`` (checks the rates, returns the text, so that ``--quick`` sees the default);
-    also the privilege gate (argparse converts the string default too, so it runs on every parse that is not
-    ``--help``): without root, one line and exit 2."""
-    problem = privilege_problem()
-    if problem is not None:
-        print(f"{TAG}: {problem.replace('the link suite', 'the goodput suite')}", file=sys.stderr)
-        raise SystemExit(2)
-    out = [b.strip() for b in text.split(",") if b.strip()]
-    for b in out:
-        try:
-            parse_rate(b)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from e
-    if not out:
-        raise argparse.ArgumentTypeError("--bandwidths needs at least one rate, e.g. 10mbit")
+    """argparse type of ``--bandwidths``: the privilege gate and the rates' check
+    (:func:`lowband.bench.netns.bandwidth_list`); returns the text, so that ``--quick`` sees the default."""
+    bandwidth_list(text, "goodput")
     return text
 
 
@@ -519,9 +508,9 @@ def launch(opts: dict[str, Any], stem: Path) -> dict[str, Any]:
     import shutil
     import tempfile
 
-    problem = privilege_problem()
+    problem = privilege_problem("goodput")
     if problem is not None:
-        raise PermissionError(problem.replace("the link suite", "the goodput suite"))
+        raise PermissionError(problem)
     contenders, faults = check_options(opts)
     if any(c != "static" for c in contenders):
         try:

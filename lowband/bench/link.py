@@ -40,6 +40,7 @@ from typing import Any
 
 from lowband.bench.netns import (
     ShapedNetwork,
+    bandwidth_list,
     format_rate,
     parse_rate,
     privilege_problem,
@@ -57,21 +58,8 @@ NOT_LOWBAND = ("ddp", "zero", "fsdp2")
 
 
 def _bandwidths(text: str) -> list[str]:
-    """argparse type of ``--bandwidths``; also the privilege gate (argparse converts the string default
-    too, so this runs on every parse that is not ``--help``): without root, one line and exit 2."""
-    problem = privilege_problem()
-    if problem is not None:
-        print(f"lowband.bench link: {problem}", file=sys.stderr)
-        raise SystemExit(2)
-    out = [b.strip() for b in text.split(",") if b.strip()]
-    for b in out:
-        try:
-            parse_rate(b)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from e
-    if not out:
-        raise argparse.ArgumentTypeError("--bandwidths needs at least one rate, e.g. 100mbit")
-    return out
+    """argparse type of ``--bandwidths``; also the privilege gate (:func:`lowband.bench.netns.bandwidth_list`)."""
+    return bandwidth_list(text, "link")
 
 
 def _fractions(text: str) -> list[float]:

@@ -73,10 +73,10 @@ def format_rate(bits: int) -> str:
     return f"{bits}bit"
 
 
-def privilege_problem() -> str | None:
+def privilege_problem(suite: str = "link") -> str | None:
     """``None`` if this process may create namespaces and qdiscs, else one line saying why not."""
     if sys.platform != "linux":
-        return f"the link suite needs Linux network namespaces; this is {sys.platform}"
+        return f"the {suite} suite needs Linux network namespaces; this is {sys.platform}"
     try:
         status = Path("/proc/self/status").read_text()
         cap_eff = int(re.search(r"^CapEff:\s*([0-9a-f]+)", status, re.M).group(1), 16)  # type: ignore[union-attr]
@@ -84,13 +84,35 @@ def privilege_problem() -> str | None:
         cap_eff = 0
     need = (1 << CAP_NET_ADMIN) | (1 << CAP_SYS_ADMIN)
     if cap_eff & need != need:  # root without these capabilities (a container, setpriv) cannot either
-        return ("the link suite needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN) to create network "
+        return (f"the {suite} suite needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN) to create network "
                 "namespaces and tc qdiscs; run it as root")
     dirs = [*os.environ.get("PATH", "").split(":"), "/usr/sbin", "/sbin"]
     for tool in ("ip", "tc"):
         if not any(Path(d, tool).exists() for d in dirs if d):
-            return f"the link suite needs the {tool!r} command (iproute2); it is not on PATH"
+            return f"the {suite} suite needs the {tool!r} command (iproute2); it is not on PATH"
     return None
+
+
+def bandwidth_list(text: str, suite: str) -> list[str]:
+    """The rates of a suite's ``--bandwidths`` (``"100mbit,10mbit"``), for its argparse type, which is also the
+    suite's privilege gate (argparse converts the string default too, so it runs on every parse that is not
+    ``--help``): without root, one line ``lowband.bench SUITE: ...`` and exit 2; a bad rate is an
+    ``argparse.ArgumentTypeError``."""
+    import argparse
+
+    problem = privilege_problem(suite)
+    if problem is not None:
+        print(f"lowband.bench {suite}: {problem}", file=sys.stderr)
+        raise SystemExit(2)
+    out = [b.strip() for b in text.split(",") if b.strip()]
+    for b in out:
+        try:
+            parse_rate(b)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from e
+    if not out:
+        raise argparse.ArgumentTypeError("--bandwidths needs at least one rate, e.g. 100mbit")
+    return out
 
 
 def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
