@@ -99,12 +99,10 @@ def _suite_name(argv: list[str]) -> str | None:
 def launcher_main(suite: str, mod: object, opts: dict) -> dict:
     """A suite that starts its own processes (``LAUNCHER = True``: ``link``, ``goodput``) runs in this process, so
     that SIGINT / SIGTERM reach its clean-up (namespaces, processes) instead of killing a spawned rank."""
-    import torch
+    from lowband.bench.harness import launcher_doc
 
     body = mod.run(_LauncherEnv(), opts)  # type: ignore[attr-defined]
-    world = int(opts.get("groups") or opts["world"])
-    return {"suite": suite, "world_size": world, "backend": "gloo", "device": "cpu", "torch": torch.__version__,
-            **body}
+    return launcher_doc(suite, int(opts.get("groups") or opts["world"]), body)
 
 
 class _LauncherEnv:

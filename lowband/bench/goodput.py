@@ -36,7 +36,6 @@ namespace and process is removed on every exit path; each run is bounded by ``--
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import signal
@@ -54,7 +53,7 @@ from lowband.bench.goodput_account import (
     committed_steps,
     goodput,
     heal_s,
-    max_stall_s,
+    step_gaps,
     training_start,
 )
 from lowband.bench.netns import (
@@ -455,9 +454,9 @@ def account(opts: dict[str, Any], contender: str, incs: list[Incarnation], event
         equal = len(digests) == groups and len(set(digests)) == 1
         vals = [s["final_val_loss"] for s in summaries.values() if s]
     heals = [h for inc in incs if inc.index > 0 and (h := heal_s(inc)) is not None]
-    gaps = [b[0] - a[0] for inc in incs for a, b in itertools.pairwise(inc.rows())]
+    gaps = step_gaps(incs)
     return {"run_s": run_s, "committed_steps": committed, "kills": sum(1 for e in events if e[1] == "kill"),
-            "rejoins": rejoins, "max_stall_s": max_stall_s(incs), "heal_s_each": heals,
+            "rejoins": rejoins, "max_stall_s": max(gaps, default=0.0), "heal_s_each": heals,
             "heal_s": max(heals, default=None), "median_step_gap_s": statistics.median(gaps) if gaps else None,
             "wire_bytes_total": wire, "iface_tx_bytes_total": iface_tx, "replicas_bitwise_equal": equal,
             "final_val_loss": statistics.fmean(vals) if vals and None not in vals else None,
@@ -566,23 +565,17 @@ def default_out(opts: dict[str, Any]) -> Path:
 
 
 def run(env: Any, opts: dict[str, Any]) -> dict[str, Any]:
-    """Suite entry of ``python -m lowband.bench goodput`` (called in that process: ``LAUNCHER``; ``--world`` is
-    not used, ``--groups`` is)."""
+    """Suite entry of ``python -m lowband.bench goodput`` (called in that process, as rank 0: ``LAUNCHER``;
+    ``--world`` is not used, ``--groups`` is)."""
     from lowband.bench.goodput_report import finish_outputs
+    from lowband.bench.harness import launcher_doc, write_outputs
 
-    if env.rank != 0:
-        return {"config": {}, "results": []}
     stem = default_out(opts).with_suffix("")
     body = launch(opts, stem)
-    import torch
-
-    doc = {"suite": "goodput", "world_size": int(opts["groups"]), "backend": "gloo", "device": "cpu",
-           "torch": torch.__version__, **body}
+    doc = launcher_doc("goodput", int(opts["groups"]), body)
     paths = finish_outputs(doc, stem)
     print(f"{TAG}: wrote {', '.join(map(str, paths))}", file=sys.stderr)
     if body["config"]["interrupted"]:  # the shared JSON and table now, then the exit status of an interrupt
-        from lowband.bench.harness import write_outputs
-
         print(f"{TAG}: wrote {', '.join(map(str, write_outputs(doc, default_out(opts))))}", file=sys.stderr)
         raise SystemExit(130)
     return body

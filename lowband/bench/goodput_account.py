@@ -117,10 +117,14 @@ def training_start(incarnations: list[Incarnation]) -> float | None:
     return None if not starts or None in starts else max(starts)  # type: ignore[type-var]
 
 
+def step_gaps(incarnations: list[Incarnation]) -> list[float]:
+    """Every gap between two consecutive step rows of one incarnation, over all of them."""
+    return [b[0] - a[0] for inc in incarnations for a, b in itertools.pairwise(inc.rows())]
+
+
 def max_stall_s(incarnations: list[Incarnation]) -> float:
     """The longest gap between two consecutive step rows of one incarnation, over all of them (0 if none)."""
-    gaps = [b[0] - a[0] for inc in incarnations for a, b in itertools.pairwise(inc.rows())]
-    return max(gaps, default=0.0)
+    return max(step_gaps(incarnations), default=0.0)
 
 
 def heal_s(inc: Incarnation) -> float | None:

@@ -93,6 +93,13 @@ def markdown_table(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def launcher_doc(suite: str, world_size: int, body: dict[str, Any]) -> dict[str, Any]:
+    """The bench document of a suite that launches its own CPU gloo ranks (``link``, ``goodput``): DESIGN.md's
+    header fields around the suite's ``{"config", "results"}``."""
+    return {"suite": suite, "world_size": world_size, "backend": "gloo", "device": "cpu",
+            "torch": torch.__version__, **body}
+
+
 def write_outputs(doc: dict[str, Any], out: str | Path) -> tuple[Path, Path]:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

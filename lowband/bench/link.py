@@ -429,23 +429,19 @@ def finish_outputs(doc: dict[str, Any], stem: Path) -> list[Path]:
 
 
 def run(env: Any, opts: dict[str, Any]) -> dict[str, Any]:
-    """Suite entry of ``python -m lowband.bench link`` (called in that process: ``LAUNCHER``)."""
-    if env.rank != 0:
-        return {"config": {}, "results": []}
+    """Suite entry of ``python -m lowband.bench link`` (called in that process, as rank 0: ``LAUNCHER``)."""
+    from lowband.bench.harness import launcher_doc
+
     stem = default_out(opts).with_suffix("")
     body = launch(opts, stem)
-    import torch
-
-    doc = {"suite": "link", "world_size": int(opts["world"]), "backend": "gloo", "device": "cpu",
-           "torch": torch.__version__, **body}
-    paths = finish_outputs(doc, stem)
+    paths = finish_outputs(launcher_doc("link", int(opts["world"]), body), stem)
     print(f"lowband.bench link: wrote {', '.join(map(str, paths))}", file=sys.stderr)
     return body
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m lowband.bench.link --world N [options]``: the same suite, launched from this process."""
-    from lowband.bench.harness import markdown_table, write_outputs
+    from lowband.bench.harness import launcher_doc, markdown_table, write_outputs
 
     p = argparse.ArgumentParser(prog="python -m lowband.bench.link")
     p.add_argument("--world", type=int, default=2)
@@ -459,10 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, PermissionError) as e:
         print(f"lowband.bench link: {e}", file=sys.stderr)
         return 2
-    import torch
 
-    doc = {"suite": "link", "world_size": opts["world"], "backend": "gloo", "device": "cpu",
-           "torch": torch.__version__, **body}
+    doc = launcher_doc("link", opts["world"], body)
     path, md = write_outputs(doc, out)
     paths = finish_outputs(doc, out.with_suffix(""))
     print(markdown_table(doc))
