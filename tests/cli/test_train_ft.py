@@ -12,6 +12,7 @@ with an ``[ft]`` section, meeting the others through a Lighthouse (here in the t
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -34,10 +35,10 @@ class Group:
     """One replica group's launch; its stdout lines are collected as they come."""
 
     def __init__(self, cwd: Path, group: int, url: str, *overrides: str, steps: int,
-                 hold: Path | None = None) -> None:
+                 hold: tuple[Path, ...] = ()) -> None:
         args = cli_args(*FT_OVERRIDES, f"--run.steps={steps}", f"--run.name=g{group}", f"--ft.group={group}",
                         f"--ft.lighthouse={url}", *overrides)
-        env = {"RUST_LOG": "error", "LOWBAND_TEST_HOLD": str(hold or "")}
+        env = {"RUST_LOG": "error", "LOWBAND_TEST_HOLD": os.pathsep.join(map(str, hold))}
         self.proc = subprocess.Popen(args, cwd=cwd, env=cli_env(env), stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
@@ -94,13 +95,20 @@ def lighthouse():  # type: ignore[no-untyped-def]
 def test_killed_group_rejoins_heals_and_ends_equal(tiny: Path, lighthouse) -> None:  # type: ignore[no-untyped-def]
     _, url = lighthouse
     steps = 48  # a multiple of sync_every: both groups end on a sync, their models then equal the global copy
-    # both groups train lowband's GPT through a factory whose forward waits while the file `hold` exists
+    # both groups train lowband's GPT through a factory whose forward waits while a file it was given exists:
+    # `start` holds both until both are up (their torchft Managers heartbeat), so that on a busy machine one
+    # group does not run all its steps before the other has imported torch; `hold` holds group 0 below
     held = ["--model.factory=tests.cli.ft_hold:held_gpt"]
-    hold = tiny / "hold"
-    g0, g1 = Group(tiny, 0, url, *held, steps=steps, hold=hold), Group(tiny, 1, url, *held, steps=steps)
+    start, hold = tiny / "start", tiny / "hold"
+    start.touch()
+    g0 = Group(tiny, 0, url, *held, steps=steps, hold=(start, hold))
+    g1 = Group(tiny, 1, url, *held, steps=steps, hold=(start,))
     groups = [g0, g1]
     try:
-        # both groups trained together (either may have started first and trained alone for a while)
+        for g in groups:
+            g.wait_for(lambda ln: ln.startswith("lowband.train: strategy diloco"), "the group's start")
+        start.unlink()
+        # both groups trained together (either may still have reached its first quorum alone)
         g1.wait_for(lambda ln: _outer_steps(ln) >= 2 and "ft_groups 2 " in ln, "2 outer steps of both groups")
         before_kill = g0.wait_for(lambda ln: _outer_steps(ln) >= 2 and "ft_groups 2 " in ln,
                                   "2 outer steps of both groups")
