@@ -7,18 +7,26 @@ chooses an algorithm per backend:
 ========================  =============================  ===================================
 op                        gloo (CPU tensors)             NCCL (CUDA tensors)
 ========================  =============================  ===================================
-reduce_scatter            all_to_all + local sum         native (all_to_all + sum if the
-                                                         wire dtype is narrower than fp32)
-all_gather                one async broadcast per rank   native
-                          (>= 4 MiB; native below)
+reduce_scatter            point-to-point exchange +      native (all_to_all + sum if the
+                          local sum                      wire dtype is narrower than fp32)
+all_gather                point-to-point exchange        native
 all_reduce                native (wire = tensor dtype);  same
                           RS(all_to_all)+AG for bf16
-all_to_all, broadcast     native                         native
+all_to_all                point-to-point exchange        native
+broadcast                 native                         native
 ========================  =============================  ===================================
 
-Why: gloo emulates ``reduce_scatter_tensor`` with an all-reduce (2x the bytes) and its
-``all_gather_into_tensor`` is slower than N broadcasts; ``python -m lowband.bench comm`` measures it.
-Override per op with ``Comm(algorithms={"reduce_scatter": "native"})``.
+Why: gloo emulates ``reduce_scatter_tensor`` with an all-reduce (2x the bytes); its
+``all_to_all_single`` and ``all_gather_into_tensor`` post each send before the matching receive, and a
+gloo send waits for the peer's "ready to receive" notice, which travels on the same TCP stream as the
+peer's own data: when one rank is a moment late, its notice queues behind its whole message and the two
+directions of every link run one after the other (on a bandwidth-bound link the collective then takes up
+to twice its bytes' time). lowband's point-to-point exchange (``p2p``) posts every ``irecv`` first, then
+every ``isend`` (one tag per exchange), so both directions always run at once (:meth:`Comm._p2p_exchange`);
+``python -m lowband.bench comm`` and ``link`` measure it. A group torch.distributed did not create (a
+torchft-managed one) keeps gloo's collectives, the all-gather as one async broadcast per rank from 4 MiB
+up. Override per op with ``Comm(algorithms={"reduce_scatter": "alltoall", "all_gather": "native"})``
+(allowed values: ``ALGORITHMS``).
 
 Precision: a wire dtype narrower than the tensor (bf16) is used only for the bytes on the wire; every
 reduction is accumulated in fp32 (fp64 for fp64 tensors), in rank order, so all ranks get identical
@@ -74,10 +82,12 @@ from lowband.comm.ledger import CommLedger, CommRecord, default_ledger, dtype_na
 from lowband.comm.opaque import opaque
 
 ALGORITHMS: dict[str, tuple[str, ...]] = {
-    "reduce_scatter": ("native", "alltoall"),
-    "all_gather": ("native", "broadcast"),
+    "reduce_scatter": ("native", "alltoall", "p2p"),
+    "all_gather": ("native", "broadcast", "p2p"),
     "all_reduce": ("native", "rs+ag"),
+    "all_to_all": ("native", "p2p"),
 }
+_P2P_TAGS = 1 << 30  # gloo point-to-point tags are non-negative int32: the sequence wraps here
 REDUCE_OPS = ("sum", "avg", "max", "min")
 _FLOAT_WIRE = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -92,9 +102,11 @@ class CommHandle:
 
     def __init__(self, record: CommRecord, works: Sequence[dist.Work], t0: float,
                  finish: Callable[[], None] | None, result: torch.Tensor | None,
-                 finish_issues_collectives: bool = False) -> None:
+                 finish_issues_collectives: bool = False, timeout: timedelta | None = None) -> None:
         self.record = record
         self._works = list(works)
+        # point-to-point works (gloo isend/irecv) wait forever unless given one: the group's timeout
+        self._timeout = timeout
         self._t0 = t0
         self._finish = finish
         self._result = result
@@ -106,7 +118,11 @@ class CommHandle:
     def wait(self) -> torch.Tensor | None:
         if not self._done:
             for w in self._works:
-                w.wait()
+                if self._timeout is None:
+                    w.wait()
+                elif not w.wait(self._timeout):
+                    raise RuntimeError(f"lowband {self.record.op} (tag {self.record.tag!r}, group "
+                                       f"{self.record.group!r}) timed out after {self._timeout}")
             self._complete()
         return self._result
 
@@ -231,6 +247,7 @@ class Comm:
         # gloo all-gather: N broadcasts beat all_gather_into_tensor from a few MiB up (bench comm); below,
         # the native call has less per-call overhead.
         self.gloo_broadcast_gather_min_bytes = 4 << 20
+        self._p2p_seq = 0  # tag of the next point-to-point exchange (every rank counts its exchanges alike)
         for op, algo in self.algorithms.items():
             if op not in ALGORITHMS or algo not in ALGORITHMS[op]:
                 allowed = {k: list(v) for k, v in ALGORITHMS.items()}
@@ -349,6 +366,38 @@ class Comm:
     def _algo(self, op: str, default: str) -> str:
         return self.algorithms.get(op, default)
 
+    def _p2p_ok(self, tensor: torch.Tensor) -> bool:
+        """Whether ``p2p`` is the default here: CPU tensors on a gloo group torch.distributed created
+        (a torchft-managed group keeps the native collectives: its point-to-point support is its own)."""
+        return (not tensor.is_cuda and self.backends == "gloo"
+                and (self.group is None or self.group in dist.distributed_c10d._world.pg_group_ranks))
+
+    def _p2p_exchange(self, recvs: Sequence[torch.Tensor | None],
+                      sends: Sequence[torch.Tensor | None]) -> list[dist.Work]:
+        """Post ``irecv(recvs[p])`` from every peer ``p`` first, then ``isend(sends[p])`` to every peer.
+
+        Why receives first: gloo starts a send only when the peer's "ready to receive" notice arrived, and
+        that notice travels on the same TCP stream as the peer's own data. gloo's ``all_to_all_single`` and
+        ``all_gather_into_tensor`` post each send before the matching receive, so a peer that is a moment
+        late queues its notice behind its whole outgoing message and the two directions of a link run one
+        after the other (measured on a 10 Mbit/s shaped link, 2 ranks, 221 kB each way: 0.19 s or 0.36 s,
+        depending on the ranks' timing). With every receive posted before any send, each notice leaves
+        before any data and both directions always run at once. One tag per exchange (a sequence every
+        rank advances alike), so exchanges in flight together never pair with each other."""
+        tag = self._p2p_seq % _P2P_TAGS
+        self._p2p_seq += 1
+        n, me = self.size, self.rank
+        works = []
+        for i in range(1, n):
+            src = (me - i) % n
+            if recvs[src] is not None and recvs[src].numel():
+                works.append(dist.irecv(recvs[src], group=self.group, group_src=src, tag=tag))
+        for i in range(1, n):
+            dst = (me + i) % n
+            if sends[dst] is not None and sends[dst].numel():
+                works.append(dist.isend(sends[dst], group=self.group, group_dst=dst, tag=tag))
+        return works
+
     def _record(self, op: str, numel: int, wire: torch.dtype, wire_bytes: int, algorithm: str,
                 tag: str, async_op: bool) -> CommRecord:
         return self.ledger.add(CommRecord(op=op, group=self.name, group_size=self.size, numel=numel,
@@ -459,7 +508,7 @@ class Comm:
         acc_dtype = _acc_dtype(output.dtype)
         native_ok = self._is_nccl(input) and wire == input.dtype == output.dtype and (
             wire in (torch.float32, torch.float64) or not wire.is_floating_point)
-        algo = self._algo("reduce_scatter", "native" if native_ok else "alltoall")
+        algo = self._algo("reduce_scatter", "native" if native_ok else "p2p" if self._p2p_ok(input) else "alltoall")
         if algo == "native":
             rec = self._record("reduce_scatter", input.numel(), wire, nbytes, algo, tag, async_op)
             send = input if wire == input.dtype else input.to(wire)
@@ -478,12 +527,19 @@ class Comm:
                     true_div_(output, n)
 
             return self._finish_handle(CommHandle(rec, [work], t0, finish_native, output), async_op)
-        rec = self._record("reduce_scatter", input.numel(), wire, nbytes, "alltoall+sum", tag,
-                           async_op)
+        rec = self._record("reduce_scatter", input.numel(), wire, nbytes,
+                           "p2p+sum" if algo == "p2p" else "alltoall+sum", tag, async_op)
         send = input.reshape(-1) if wire == input.dtype else input.reshape(-1).to(wire)
         recv = self.workspace.acquire(send.numel(), wire, send.device)
-        work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
         m = output.numel()
+        if algo == "p2p":
+            me = self.rank
+            recv[me * m:(me + 1) * m].copy_(send[me * m:(me + 1) * m])
+            chunks = [recv[r * m:(r + 1) * m] for r in range(n)]
+            works = self._p2p_exchange(chunks, [send[r * m:(r + 1) * m] for r in range(n)])
+            timeout = self.timeout
+        else:
+            works, timeout = [dist.all_to_all_single(recv, send, group=self.group, async_op=True)], None
 
         def finish_a2a() -> None:
             parts = recv.view(n, m)
@@ -501,7 +557,7 @@ class Comm:
                 out.copy_(acc)
             self.workspace.release(recv)
 
-        return self._finish_handle(CommHandle(rec, [work], t0, finish_a2a, output), async_op)
+        return self._finish_handle(CommHandle(rec, works, t0, finish_a2a, output, timeout=timeout), async_op)
 
     # ------------------------------------------------------------------------------- all_gather
     @opaque
@@ -526,8 +582,11 @@ class Comm:
             return self._finish_handle(CommHandle(rec, [], t0, None, output), async_op)
         nbytes = ring_wire_bytes("all_gather", n, output.numel() * esize)
         nbytes_out = output.numel() * esize
-        default = "native" if self._is_nccl(input) or nbytes_out < self.gloo_broadcast_gather_min_bytes \
-            else "broadcast"
+        if self._p2p_ok(input):
+            default = "p2p"
+        else:
+            default = "native" if self._is_nccl(input) or nbytes_out < self.gloo_broadcast_gather_min_bytes \
+                else "broadcast"
         algo = self._algo("all_gather", default)
         rec = self._record("all_gather", output.numel(), wire, nbytes, algo, tag, async_op)
         flat_out = output.view(-1)
@@ -538,14 +597,18 @@ class Comm:
         src = input.reshape(-1)
         if mine.data_ptr() != src.data_ptr() or wire != input.dtype:
             mine.copy_(src)
+        timeout = None
         if algo == "native":
             fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             works = [fn(buf, mine, group=self.group, async_op=True)]
+        elif algo == "p2p":
+            works = self._p2p_exchange([buf[r * m:(r + 1) * m] for r in range(n)], [mine] * n)
+            timeout = self.timeout
         else:
             works = [dist.broadcast(buf[r * m:(r + 1) * m], group=self.group, group_src=r,
                                     async_op=True) for r in range(n)]
         finish = None if buf is flat_out else (lambda: flat_out.copy_(buf))
-        return self._finish_handle(CommHandle(rec, works, t0, finish, output), async_op)
+        return self._finish_handle(CommHandle(rec, works, t0, finish, output, timeout=timeout), async_op)
 
     # ------------------------------------------------------------------------------- all_to_all
     @opaque
@@ -572,11 +635,30 @@ class Comm:
         if output_split_sizes is not None and len(output_split_sizes) != n:
             raise ValueError(f"all_to_all: output_split_sizes must have {n} entries")
         nbytes = sent_rows * row_elems * esize if n > 1 else 0
-        rec = self._record("all_to_all", input.numel(), input.dtype, nbytes,
-                           "local" if n == 1 else "native", tag, async_op)
+        algo = "local" if n == 1 else self._algo("all_to_all", "p2p" if self._p2p_ok(input) else "native")
+        rec = self._record("all_to_all", input.numel(), input.dtype, nbytes, algo, tag, async_op)
         if n == 1:
             output.copy_(input)
             return self._finish_handle(CommHandle(rec, [], t0, None, output), async_op)
+        if algo == "p2p":
+            if not (input.is_contiguous() and output.is_contiguous()):
+                raise ValueError("all_to_all: input and output must be contiguous")
+            out_rows = output.shape[0] if output.dim() > 0 else 0
+            if output_split_sizes is None and out_rows % n:
+                raise ValueError(f"all_to_all: {out_rows} output rows do not split evenly over {n} ranks; "
+                                 "pass output_split_sizes")
+            ins = list(input_split_sizes) if input_split_sizes is not None else [rows // n] * n
+            outs = list(output_split_sizes) if output_split_sizes is not None else [out_rows // n] * n
+            out_row_elems = output.numel() // out_rows if out_rows else 0
+            send_parts = _row_parts(input.reshape(-1), ins, row_elems)
+            recv_parts = _row_parts(output.reshape(-1), outs, out_row_elems)
+            me = self.rank
+            if recv_parts[me].numel() != send_parts[me].numel():
+                raise ValueError(f"all_to_all: this rank keeps {send_parts[me].numel()} elements of its input "
+                                 f"but its output has room for {recv_parts[me].numel()}")
+            recv_parts[me].copy_(send_parts[me])
+            works = self._p2p_exchange(recv_parts, send_parts)
+            return self._finish_handle(CommHandle(rec, works, t0, None, output, timeout=self.timeout), async_op)
         work = dist.all_to_all_single(
             output, input,
             output_split_sizes=list(output_split_sizes) if output_split_sizes is not None else None,
@@ -635,6 +717,15 @@ class Comm:
         if any(v != values[0] for v in values):
             diffs = ", ".join(f"rank {i}: {v!r}" for i, v in enumerate(values))
             raise ValueError(f"{what} differs between ranks of group {self.name!r}: {diffs}")
+
+
+def _row_parts(flat: torch.Tensor, rows: Sequence[int], row_elems: int) -> list[torch.Tensor]:
+    """Consecutive slices of ``flat`` holding ``rows[p] * row_elems`` elements each (one per peer)."""
+    parts, at = [], 0
+    for r in rows:
+        parts.append(flat[at:at + int(r) * row_elems])
+        at += int(r) * row_elems
+    return parts
 
 
 def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:

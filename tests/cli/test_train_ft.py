@@ -219,7 +219,7 @@ def test_every_group_lost_at_once_resumes_from_its_own_checkpoint(tiny: Path, li
     steps = 48
     hold = tiny / "hold"
     args = ("--model.factory=tests.cli.ft_hold:held_gpt", "--checkpoint.every=8")
-    groups = [Group(tiny, g, url, *args, steps=steps, hold=hold) for g in (0, 1)]
+    groups = [Group(tiny, g, url, *args, steps=steps, hold=(hold,)) for g in (0, 1)]
     try:
         for g in groups:
             g.wait_for(lambda ln: ln.startswith("lowband.train: checkpoint step-"), "a checkpoint")

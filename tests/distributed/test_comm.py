@@ -3,6 +3,8 @@ ring-model byte count."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -109,6 +111,10 @@ def _collectives_match_torch(dtype_name: str) -> None:
     assert ledger.wire_bytes("broadcast") == (n - 1) * 11 * esize // n
     for r in ledger.records:
         assert r.group == "world" and r.group_size == n and r.elapsed_s is not None
+    # gloo defaults: reduce-scatter, all-gather and all-to-all as point-to-point exchanges (receives first)
+    algos = {rec.op: rec.algorithm for rec in ledger.records}
+    assert algos["reduce_scatter"] == ("p2p+sum" if n > 1 else "local")
+    assert algos["all_gather"] == algos["all_to_all"] == ("p2p" if n > 1 else "local")
     totals = ledger.mark_step()
     assert totals.count == 9 and totals.wire_bytes == sum(r.wire_bytes for r in ledger.records)
     assert ledger.mark_step().count == 0
@@ -180,6 +186,61 @@ def _native_override_matches() -> None:
 
 def test_native_override() -> None:
     run_ranks(_native_override_matches, 2)
+
+
+def _algorithms_agree_bitwise() -> None:
+    rank, n = dist.get_rank(), dist.get_world_size()
+    m = 1031  # chunk elements, odd
+    x = _data(rank, n * m)
+    results = {}
+    for rs, ag, a2a in (("p2p", "p2p", "p2p"), ("alltoall", "broadcast", "native"), ("alltoall", "native", "native")):
+        comm = Comm(algorithms={"reduce_scatter": rs, "all_gather": ag, "all_to_all": a2a}, ledger=CommLedger())
+        # several exchanges in flight at once, waited for in reverse order: each has its own tag
+        outs = [torch.empty(m), torch.empty(m), torch.empty(n * m), torch.empty(n * m)]
+        handles = [comm.reduce_scatter(outs[0], x, async_op=True),
+                   comm.reduce_scatter(outs[1], x * 2, op="avg", wire_dtype=torch.bfloat16, async_op=True),
+                   comm.all_gather(outs[2], x[:m], async_op=True), comm.all_to_all(outs[3], x, async_op=True)]
+        for h in reversed(handles):
+            h.wait()
+        results[(rs, ag, a2a)] = outs
+        assert comm.ledger.wire_bytes() == 2 * (n - 1) * m * 4 + (n - 1) * m * 2 + (n - 1) * m * 4
+    first = results[("p2p", "p2p", "p2p")]
+    for outs in results.values():
+        assert all(torch.equal(a, b) for a, b in zip(first, outs, strict=True))
+    allx = [_data(r, n * m) for r in range(n)]
+    exact = allx[0][rank * m:(rank + 1) * m].clone()
+    for r in range(1, n):
+        exact += allx[r][rank * m:(rank + 1) * m]
+    assert torch.equal(first[0], exact)
+    assert torch.equal(first[2], torch.cat([a[:m] for a in allx]))
+    assert torch.equal(first[3], torch.cat([a[rank * m:(rank + 1) * m] for a in allx]))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_point_to_point_algorithms_match_the_collective_ones_bitwise(world: int) -> None:
+    run_ranks(_algorithms_agree_bitwise, world)
+
+
+def _gather_on_rank_zero_only() -> str:
+    comm = Comm(ledger=CommLedger())
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() != 0:  # stays up (its connections open) until rank 0 is done, however long it takes
+        store.wait(["p2p_test_done"], timedelta(seconds=50))
+        return "skipped"
+    try:
+        comm.all_gather(torch.empty(2 * 8), torch.ones(8))
+        return "returned"
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        store.set("p2p_test_done", "1")
+
+
+def test_point_to_point_exchange_without_a_partner_times_out() -> None:
+    # a point-to-point receive waits forever unless given a timeout: lowband gives it the group's
+    res = run_ranks(_gather_on_rank_zero_only, 2, timeout=60, pg_timeout=3)
+    assert res[1] == "skipped"
+    assert "timed out" in res[0].lower(), res[0]
 
 
 def test_bad_arguments_single_process() -> None:
