@@ -21,10 +21,13 @@ Communication pattern (per step, per unit, N = data-parallel world size; see
    takes ``p.grad`` if it exists, zeros otherwise. Every reduce-scatter is waited for, then one
    ``all_reduce(op="max", tag="grad_used")`` of a ``uint8`` level per parameter plus 3 bytes (see
    *Missing gradients* and *Habits* below) agrees, before any update, on who used what and on what
-   to refuse. Then, unit by unit: update the owned slice (AdamW on a flat shard; Muon on whole owned matrices), launch
+   to refuse. Then, unit by unit in forward order (the unit holding the earliest parameter of
+   ``module``'s registration order first, or of the flat parameter order without ``module``): update
+   the owned slice (AdamW on a flat shard; Muon on whole owned matrices), launch
    ``all_gather(async_op=True, tag="param:*")`` of the updated slice straight into the flat
    parameter buffer, and move on while it is in flight. AdamW and Muon units share one loop, so
-   their communication overlaps instead of running one kind after the other.
+   their communication overlaps instead of running one kind after the other, and the first layers'
+   parameters arrive first for the next forward.
 3. **Next forward.** ``param_gather="step"`` (default) waits for every all-gather at the end of
    ``step()``. ``param_gather="forward"`` (needs ``module=``) returns from ``step()`` with the gathers
    in flight and waits per unit in a forward pre-hook of each module that owns a member directly,
@@ -390,6 +393,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self._sparse[ui] = SparseTableUnit(t, self.comm, count_comm=sparse_count_comm, mode=sparse_mode,
                                                    wire_dtype=grad_wire_dtype)
         self._next_launch = 0
+        self._gather_order = self._forward_order(module)
         self._gathers: dict[int, CommHandle] = {}
         self._hooks: list[Any] = []
         in_units = {id(p) for u in self._units for p in u.params}
@@ -410,6 +414,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if uis:
                     self._hooks.append(mod.register_forward_pre_hook(self._make_forward_hook(uis)))
         self._constructed = True
+
+    def _forward_order(self, module: nn.Module | None) -> list[int]:
+        """Unit indices in the order a forward needs them: by the earliest member in ``module``'s parameter
+        registration order (without ``module``: the flat parameter order). :meth:`step` updates and launches
+        the all-gathers in this order, so the first layers' parameters arrive first; units are otherwise
+        ordered for backward (last layer first), and the forward's first pre-hook waited for the last gather."""
+        position = {id(p): i for i, p in enumerate(module.parameters())} if module is not None else {}
+        late = len(position)
+
+        def first(ui: int) -> int:
+            unit = self._units[ui]
+            return min(position.get(id(p), late + m.index) for p, m in zip(unit.params, unit.layout.members,
+                                                                             strict=True))
+        return sorted(range(len(self._units)), key=first)
 
     # ------------------------------------------------------------------------------ validation
     @staticmethod
@@ -938,7 +956,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._reset_step()  # inf/NaN somewhere: skipped on every rank (parameters and state unchanged)
             return loss
         rank = self.comm.rank
-        for ui, unit in enumerate(self._units):
+        for ui in self._gather_order:  # the order the next forward needs them (every rank alike)
+            unit = self._units[ui]
             group = self.param_groups[unit.layout.group]
             used = self._unit_used(ui)
             if unit.layout.kind == "adamw":
@@ -1117,8 +1136,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------------- introspection
     @property
     def units(self) -> list[UnitLayout]:
-        """The communication units (layouts), in launch order."""
+        """The communication units (layouts), in reduce-scatter launch order (backward order; the parameter
+        all-gathers run in forward order, see the module docstring)."""
         return [u.layout for u in self._units]
+
+    @property
+    def gather_order(self) -> list[int]:
+        """Indices into :attr:`units` in the order :meth:`step` updates them and launches their parameter
+        all-gathers (forward order, see the module docstring)."""
+        return list(self._gather_order)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state tensors held by this rank (moments / momentum of owned slices)."""

@@ -213,6 +213,7 @@ def train_and_compare(cfg: dict) -> dict:
     out["never_used_units"] = [ui for ui, u in enumerate(opt.units)
                                if all(params[m.index] is model.unused for m in u.members)]
     out["units"] = [(u.kind, u.numel, u.shard_numel, u.matrix_shape, u.real_per_rank) for u in opt.units]
+    out["gather_order"] = opt.gather_order
     out["construction_records"] = construction_records
     out["rank"], out["world"] = rank, n
     return out
@@ -252,8 +253,12 @@ def check_ledger(results: list[dict], dtype: str, wire: str | None, clip: bool,
         for st in res["steps"]:
             assert len(st["rs"]) == len(units) and len(st["ag"]) == len(units)
             assert st["other"] == []
-            for (kind, numel, *_), rs, ag in zip(units, st["rs"], st["ag"]):
+            # reduce-scatters in unit (backward) order, parameter all-gathers in forward order
+            assert sorted(res["gather_order"]) == list(range(len(units)))
+            for (kind, numel, *_), rs in zip(units, st["rs"], strict=True):
                 assert rs == (f"grad:{kind}", numel, w, (n - 1) * numel * esize(w) // n)
+            for ui, ag in zip(res["gather_order"], st["ag"], strict=True):
+                kind, numel = units[ui][:2]
                 assert ag == (f"param:{kind}", numel, pw, (n - 1) * numel * esize(pw) // n)
             acc = 8 if dtype == "float64" else 4
             used = [("grad_used", N_USED_FLAGS, 2 * (n - 1) * N_USED_FLAGS // n)] if n > 1 else []
@@ -668,3 +673,29 @@ def test_init_sync_broadcasts_parameters_and_buffers(world: int) -> None:
         # (3) + running_mean/var (6 + 6) in float32, num_batches_tracked (1) in int64
         assert r["recs"] == [("broadcast", n, "float32") for n in r["units"]] + [
             ("broadcast", 3 + 6 + 6, "float32"), ("broadcast", 1, "int64")]
+
+
+def _gather_launch_order() -> dict:
+    comm = Comm(ledger=CommLedger())
+    model = TinyModel()
+    opt = ShardedAdamW(adamw_groups(model), comm=comm, bucket_mb=200 / 2**20, module=model, param_gather="forward")
+    idx, tgt = batch(0)
+    loss_fn(model, idx, tgt).backward()
+    opt.step()
+    gathers = [r.numel for r in comm.ledger.records if r.op == "all_gather" and r.tag.startswith("param")]
+    opt.wait_for_params()
+    # each unit's first member in the module's registration order
+    position = {id(p): i for i, p in enumerate(model.parameters())}
+    layouts = opt.units
+    params = [p for g in opt.param_groups for p in g["params"]]
+    first = [min(position[id(params[m.index])] for m in lay.members) for lay in layouts]
+    return {"gathers": gathers, "units": [(f, lay.numel) for f, lay in zip(first, layouts, strict=True)]}
+
+
+def test_parameter_gathers_are_launched_in_forward_order() -> None:
+    """Units are built in backward order (last layer first); step() gathers them in the module's order, so the
+    next forward's first pre-hook (the embedding's) waits for the first gather, not for all of them."""
+    for r in run_ranks(_gather_launch_order, 2):
+        units = r["units"]
+        assert len(units) >= 4 and [f for f, _ in units] != sorted(f for f, _ in units)  # built for backward
+        assert r["gathers"] == [numel for _f, numel in sorted(units)]
