@@ -7,12 +7,14 @@ chooses an algorithm per backend:
 ========================  =============================  ===================================
 op                        gloo (CPU tensors)             NCCL (CUDA tensors)
 ========================  =============================  ===================================
-reduce_scatter            point-to-point exchange +      native (all_to_all + sum if the
-                          local sum                      wire dtype is narrower than fp32)
-all_gather                point-to-point exchange        native
+reduce_scatter            all_to_all + local sum;        native (all_to_all + sum if the
+                          sharded optimizer: p2p + sum   wire dtype is narrower than fp32)
+all_gather                native (< 4 MiB) or one async  native
+                          broadcast per rank; sharded
+                          optimizer: p2p
 all_reduce                native (wire = tensor dtype);  same
                           RS(all_to_all)+AG for bf16
-all_to_all                point-to-point exchange        native
+all_to_all                native; sharded optimizer: p2p native
 broadcast                 native                         native
 ========================  =============================  ===================================
 
@@ -23,10 +25,14 @@ peer's own data: when one rank is a moment late, its notice queues behind its wh
 directions of every link run one after the other (on a bandwidth-bound link the collective then takes up
 to twice its bytes' time). lowband's point-to-point exchange (``p2p``) posts every ``irecv`` first, then
 every ``isend`` (one tag per exchange), so both directions always run at once (:meth:`Comm._p2p_exchange`);
-``python -m lowband.bench comm`` and ``link`` measure it. A group torch.distributed did not create (a
-torchft-managed one) keeps gloo's collectives, the all-gather as one async broadcast per rank from 4 MiB
-up. Override per op with ``Comm(algorithms={"reduce_scatter": "alltoall", "all_gather": "native"})``
-(allowed values: ``ALGORITHMS``).
+``python -m lowband.bench link`` measures it. It is the default of the sharded optimizer's private ``Comm``
+(``P2P_PURPOSES``), where it was measured; other components keep gloo's collectives until they are
+measured and tested with it (GTP's tests timed out twice on a heavily loaded machine with it, not yet
+understood). A group torch.distributed did not create (a torchft-managed one) never uses it. An exchange
+nobody waited for is finished before its group is destroyed (:func:`drain_exchanges`), as gloo finishes a
+queued collective. Override per op with ``Comm(algorithms={"reduce_scatter": "p2p", "all_gather": "native"})``
+(allowed values: ``ALGORITHMS``); gloo's all-gather is one async broadcast per rank from 4 MiB up (faster
+than ``all_gather_into_tensor`` there, ``python -m lowband.bench comm``).
 
 Precision: a wire dtype narrower than the tensor (bf16) is used only for the bytes on the wire; every
 reduction is accumulated in fp32 (fp64 for fp64 tensors), in rank order, so all ranks get identical
@@ -69,11 +75,14 @@ out with an error that says so.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import pickle
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -88,6 +97,9 @@ ALGORITHMS: dict[str, tuple[str, ...]] = {
     "all_to_all": ("native", "p2p"),
 }
 _P2P_TAGS = 1 << 30  # gloo point-to-point tags are non-negative int32: the sequence wraps here
+P2P_PURPOSES = ("sharded",)
+"""Private ``Comm`` purposes whose gloo reduce-scatter, all-gather and all-to-all default to ``p2p`` (see the
+module docstring); every other ``Comm`` keeps gloo's collectives unless ``algorithms`` asks for ``p2p``."""
 REDUCE_OPS = ("sum", "avg", "max", "min")
 _FLOAT_WIRE = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -107,6 +119,7 @@ class CommHandle:
         self._works = list(works)
         # point-to-point works (gloo isend/irecv) wait forever unless given one: the group's timeout
         self._timeout = timeout
+        self._group: dist.ProcessGroup | None = None
         self._t0 = t0
         self._finish = finish
         self._result = result
@@ -135,6 +148,7 @@ class CommHandle:
             self._done = True
             self.record.elapsed_s = time.perf_counter() - self._t0
             self._works = []
+        _IN_FLIGHT.pop(id(self), None)
 
     def is_completed(self) -> bool:
         return self._done or all(w.is_completed() for w in self._works)
@@ -248,6 +262,7 @@ class Comm:
         # the native call has less per-call overhead.
         self.gloo_broadcast_gather_min_bytes = 4 << 20
         self._p2p_seq = 0  # tag of the next point-to-point exchange (every rank counts its exchanges alike)
+        self.point_to_point = False  # p2p as the gloo default (private Comms of P2P_PURPOSES)
         for op, algo in self.algorithms.items():
             if op not in ALGORITHMS or algo not in ALGORITHMS[op]:
                 allowed = {k: list(v) for k, v in ALGORITHMS.items()}
@@ -345,6 +360,7 @@ class Comm:
         priv = Comm(pg, name=root.name, ledger=root.ledger, algorithms=root.algorithms)
         priv.gloo_broadcast_gather_min_bytes = root.gloo_broadcast_gather_min_bytes
         priv.parent, priv.purpose = root, purpose
+        priv.point_to_point = purpose in P2P_PURPOSES
         if priv.rank != root.rank or priv.size != root.size:
             raise RuntimeError(f"Comm {root.name!r}: private group for {purpose!r} has rank {priv.rank} of "
                                f"{priv.size}, expected {root.rank} of {root.size}")
@@ -367,9 +383,10 @@ class Comm:
         return self.algorithms.get(op, default)
 
     def _p2p_ok(self, tensor: torch.Tensor) -> bool:
-        """Whether ``p2p`` is the default here: CPU tensors on a gloo group torch.distributed created
-        (a torchft-managed group keeps the native collectives: its point-to-point support is its own)."""
-        return (not tensor.is_cuda and self.backends == "gloo"
+        """Whether ``p2p`` is the default here: a ``Comm`` with ``point_to_point`` set, CPU tensors on a gloo
+        group torch.distributed created (a torchft-managed group keeps the native collectives: its
+        point-to-point support is its own)."""
+        return (self.point_to_point and not tensor.is_cuda and self.backends == "gloo"
                 and (self.group is None or self.group in dist.distributed_c10d._world.pg_group_ranks))
 
     def _p2p_exchange(self, recvs: Sequence[torch.Tensor | None],
@@ -557,7 +574,8 @@ class Comm:
                 out.copy_(acc)
             self.workspace.release(recv)
 
-        return self._finish_handle(CommHandle(rec, works, t0, finish_a2a, output, timeout=timeout), async_op)
+        handle = CommHandle(rec, works, t0, finish_a2a, output, timeout=timeout)
+        return self._finish_handle(_track(handle, self.group) if algo == "p2p" else handle, async_op)
 
     # ------------------------------------------------------------------------------- all_gather
     @opaque
@@ -608,7 +626,8 @@ class Comm:
             works = [dist.broadcast(buf[r * m:(r + 1) * m], group=self.group, group_src=r,
                                     async_op=True) for r in range(n)]
         finish = None if buf is flat_out else (lambda: flat_out.copy_(buf))
-        return self._finish_handle(CommHandle(rec, works, t0, finish, output, timeout=timeout), async_op)
+        handle = CommHandle(rec, works, t0, finish, output, timeout=timeout)
+        return self._finish_handle(_track(handle, self.group) if algo == "p2p" else handle, async_op)
 
     # ------------------------------------------------------------------------------- all_to_all
     @opaque
@@ -658,7 +677,8 @@ class Comm:
                                  f"but its output has room for {recv_parts[me].numel()}")
             recv_parts[me].copy_(send_parts[me])
             works = self._p2p_exchange(recv_parts, send_parts)
-            return self._finish_handle(CommHandle(rec, works, t0, None, output, timeout=self.timeout), async_op)
+            handle = _track(CommHandle(rec, works, t0, None, output, timeout=self.timeout), self.group)
+            return self._finish_handle(handle, async_op)
         work = dist.all_to_all_single(
             output, input,
             output_split_sizes=list(output_split_sizes) if output_split_sizes is not None else None,
@@ -726,6 +746,53 @@ def _row_parts(flat: torch.Tensor, rows: Sequence[int], row_elems: int) -> list[
         parts.append(flat[at:at + int(r) * row_elems])
         at += int(r) * row_elems
     return parts
+
+
+_IN_FLIGHT: dict[int, CommHandle] = {}
+"""Point-to-point exchanges issued and not yet waited for, by handle id (see :func:`drain_exchanges`)."""
+
+
+def _track(handle: CommHandle, group: dist.ProcessGroup | None) -> CommHandle:
+    """Keep ``handle`` until it is waited for, so a teardown can finish it first; drop finished ones."""
+    for key, h in list(_IN_FLIGHT.items()):
+        if h._done:
+            _IN_FLIGHT.pop(key, None)
+    handle._group = group
+    _IN_FLIGHT[id(handle)] = handle
+    return handle
+
+
+def drain_exchanges(group: dist.ProcessGroup | None = None, *, all_groups: bool = False) -> None:
+    """Wait for every point-to-point exchange lowband issued on ``group`` (``all_groups``: on any group)
+    and nobody waited for yet.
+
+    gloo runs a queued collective to its end before its process group is destroyed; a point-to-point
+    send still in flight is dropped instead (the peer then sees its connection close). lowband's exchanges
+    keep the collective behaviour: :func:`torch.distributed.destroy_process_group` (wrapped once when
+    :mod:`lowband.comm` is imported) and interpreter exit call this first. An exchange that fails here (a
+    peer already gone) is left to the teardown, as a failed collective would be."""
+    for key, h in list(_IN_FLIGHT.items()):
+        if all_groups or group is None or h._group is group:
+            try:
+                h.wait()
+            except Exception:  # the peer is gone: nothing left to finish; the teardown goes on
+                pass
+            _IN_FLIGHT.pop(key, None)
+
+
+def _destroy_after_drain(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
+        drain_exchanges(group, all_groups=group is None)
+        return original(group)
+
+    destroy_process_group._lowband_drains = True  # type: ignore[attr-defined]
+    return destroy_process_group
+
+
+if not getattr(dist.destroy_process_group, "_lowband_drains", False):
+    dist.destroy_process_group = _destroy_after_drain(dist.destroy_process_group)
+atexit.register(drain_exchanges, all_groups=True)
 
 
 def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:

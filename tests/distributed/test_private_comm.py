@@ -360,10 +360,8 @@ def test_gtp_layer_used_by_some_ranks_fails_clearly_on_every_rank(mode: str) -> 
         assert "'gtp'" in msg and "every rank" in msg.lower()
         if mode == "swap":
             assert "['c', 'd']" in msg  # named by the used-flags check, identically on every rank
-    if mode == "subset":
-        # the rank whose gather found no partner names the timeout; the other either times out too or sees
-        # that rank's connections close first (whichever happens first on a busy machine)
-        assert any(f"timeout {SHORT_PG_TIMEOUT} s" in msg for _kind, msg in res), res
+        else:
+            assert f"timeout {SHORT_PG_TIMEOUT} s" in msg
 
 
 def _eval_on_rank0_while_others_wait() -> tuple[str, str]:

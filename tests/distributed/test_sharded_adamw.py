@@ -684,6 +684,9 @@ def _gather_launch_order() -> dict:
     opt.step()
     gathers = [r.numel for r in comm.ledger.records if r.op == "all_gather" and r.tag.startswith("param")]
     opt.wait_for_params()
+    # the sharded optimizer's private Comm: gloo reduce-scatters and all-gathers as receive-first exchanges
+    algos = {(r.op, r.algorithm) for r in comm.ledger.records if r.tag.startswith(("grad:", "param:"))}
+    assert algos == {("reduce_scatter", "p2p+sum"), ("all_gather", "p2p")}, algos
     # each unit's first member in the module's registration order
     position = {id(p): i for i, p in enumerate(model.parameters())}
     layouts = opt.units
