@@ -17,9 +17,9 @@ What counts (:func:`committed_steps`):
   from there and trains the rest again);
 * an incarnation that finished keeps every row after its last heal.
 
-:func:`max_stall_s` is the longest gap between two consecutive step rows of one incarnation (a live group
-that made no step: a failed sync, a quorum wait, a heal); :func:`heal_s` is, for an incarnation that healed
-from a peer, the time from its launch to its first row after the heal.
+:func:`step_gaps` are the gaps between consecutive step rows of each incarnation; the longest is the row's
+``max_stall_s`` (a live group that made no step: a failed sync, a quorum wait, a heal); :func:`heal_s` is,
+for an incarnation that healed from a peer, the time from its launch to its first row after the heal.
 """
 
 from __future__ import annotations
@@ -120,11 +120,6 @@ def training_start(incarnations: list[Incarnation]) -> float | None:
 def step_gaps(incarnations: list[Incarnation]) -> list[float]:
     """Every gap between two consecutive step rows of one incarnation, over all of them."""
     return [b[0] - a[0] for inc in incarnations for a, b in itertools.pairwise(inc.rows())]
-
-
-def max_stall_s(incarnations: list[Incarnation]) -> float:
-    """The longest gap between two consecutive step rows of one incarnation, over all of them (0 if none)."""
-    return max(step_gaps(incarnations), default=0.0)
 
 
 def heal_s(inc: Incarnation) -> float | None:

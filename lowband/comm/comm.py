@@ -27,8 +27,8 @@ to twice its bytes' time). lowband's point-to-point exchange (``p2p``) posts eve
 every ``isend`` (one tag per exchange), so both directions always run at once (:meth:`Comm._p2p_exchange`);
 ``python -m lowband.bench link`` measures it. It is the default of the sharded optimizer's private ``Comm``
 (``P2P_PURPOSES``), where it was measured; other components keep gloo's collectives until they are
-measured and tested with it (GTP's tests timed out twice on a heavily loaded machine with it, not yet
-understood). A group torch.distributed did not create (a torchft-managed one) never uses it. An exchange
+measured and tested with it (GTP's tests timed out in three runs on a heavily loaded machine with it, not
+yet understood). A group torch.distributed did not create (a torchft-managed one) never uses it. An exchange
 nobody waited for is finished before its group is destroyed (:func:`drain_exchanges`), as gloo finishes a
 queued collective. Override per op with ``Comm(algorithms={"reduce_scatter": "p2p", "all_gather": "native"})``
 (allowed values: ``ALGORITHMS``); gloo's all-gather is one async broadcast per rank from 4 MiB up (faster
@@ -415,6 +415,12 @@ class Comm:
                 works.append(dist.isend(sends[dst], group=self.group, group_dst=dst, tag=tag))
         return works
 
+    def _p2p_handle(self, rec: CommRecord, works: list[dist.Work], t0: float, finish: Callable[[], None] | None,
+                    output: torch.Tensor) -> CommHandle:
+        """The handle of one :meth:`_p2p_exchange`: its waits honour the group's timeout (gloo's point-to-point
+        waits have none of their own), and it is kept until waited for (:func:`drain_exchanges`)."""
+        return _track(CommHandle(rec, works, t0, finish, output, timeout=self.timeout), self.group)
+
     def _record(self, op: str, numel: int, wire: torch.dtype, wire_bytes: int, algorithm: str,
                 tag: str, async_op: bool) -> CommRecord:
         return self.ledger.add(CommRecord(op=op, group=self.name, group_size=self.size, numel=numel,
@@ -554,9 +560,8 @@ class Comm:
             recv[me * m:(me + 1) * m].copy_(send[me * m:(me + 1) * m])
             chunks = [recv[r * m:(r + 1) * m] for r in range(n)]
             works = self._p2p_exchange(chunks, [send[r * m:(r + 1) * m] for r in range(n)])
-            timeout = self.timeout
         else:
-            works, timeout = [dist.all_to_all_single(recv, send, group=self.group, async_op=True)], None
+            works = [dist.all_to_all_single(recv, send, group=self.group, async_op=True)]
 
         def finish_a2a() -> None:
             parts = recv.view(n, m)
@@ -574,8 +579,9 @@ class Comm:
                 out.copy_(acc)
             self.workspace.release(recv)
 
-        handle = CommHandle(rec, works, t0, finish_a2a, output, timeout=timeout)
-        return self._finish_handle(_track(handle, self.group) if algo == "p2p" else handle, async_op)
+        handle = (self._p2p_handle(rec, works, t0, finish_a2a, output) if algo == "p2p"
+                  else CommHandle(rec, works, t0, finish_a2a, output))
+        return self._finish_handle(handle, async_op)
 
     # ------------------------------------------------------------------------------- all_gather
     @opaque
@@ -615,19 +621,18 @@ class Comm:
         src = input.reshape(-1)
         if mine.data_ptr() != src.data_ptr() or wire != input.dtype:
             mine.copy_(src)
-        timeout = None
         if algo == "native":
             fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             works = [fn(buf, mine, group=self.group, async_op=True)]
         elif algo == "p2p":
             works = self._p2p_exchange([buf[r * m:(r + 1) * m] for r in range(n)], [mine] * n)
-            timeout = self.timeout
         else:
             works = [dist.broadcast(buf[r * m:(r + 1) * m], group=self.group, group_src=r,
                                     async_op=True) for r in range(n)]
         finish = None if buf is flat_out else (lambda: flat_out.copy_(buf))
-        handle = CommHandle(rec, works, t0, finish, output, timeout=timeout)
-        return self._finish_handle(_track(handle, self.group) if algo == "p2p" else handle, async_op)
+        handle = (self._p2p_handle(rec, works, t0, finish, output) if algo == "p2p"
+                  else CommHandle(rec, works, t0, finish, output))
+        return self._finish_handle(handle, async_op)
 
     # ------------------------------------------------------------------------------- all_to_all
     @opaque
@@ -677,8 +682,7 @@ class Comm:
                                  f"but its output has room for {recv_parts[me].numel()}")
             recv_parts[me].copy_(send_parts[me])
             works = self._p2p_exchange(recv_parts, send_parts)
-            handle = _track(CommHandle(rec, works, t0, None, output, timeout=self.timeout), self.group)
-            return self._finish_handle(handle, async_op)
+            return self._finish_handle(self._p2p_handle(rec, works, t0, None, output), async_op)
         work = dist.all_to_all_single(
             output, input,
             output_split_sizes=list(output_split_sizes) if output_split_sizes is not None else None,

@@ -325,7 +325,9 @@ def _gather_left_in_flight() -> bool:
     handle = comm.all_gather(out, torch.full((big,), 7.0 if dist.get_rank() == 0 else 1.0), async_op=True)
     if dist.get_rank() == 0:  # never waited for: the harness's destroy_process_group follows at once
         return True
-    time.sleep(1.0)  # rank 0 is in destroy_process_group by now (without the drain its send is dropped)
+    time.sleep(1.0)  # rank 0 is in destroy_process_group by now (this passed here with the drain switched off
+    # too: gloo's teardown did not drop the send in these runs; the test states the contract, it cannot catch
+    # its loss on this machine)
     handle.wait()
     return bool((out[:big] == 7.0).all() and (out[big:] == 1.0).all())
 

@@ -17,7 +17,7 @@ from lowband.bench.goodput_account import (
     committed_steps,
     goodput,
     heal_s,
-    max_stall_s,
+    step_gaps,
     training_start,
 )
 from lowband.bench.goodput_report import goodput_markdown, target_checks
@@ -70,7 +70,7 @@ def test_a_failed_static_launch_keeps_the_steps_up_to_its_last_checkpoint() -> N
 def test_stall_training_start_and_goodput() -> None:
     a = _inc(0, 0, 0.0, [(2.0, _row(1, 0)), (2.5, _row(2, 0)), (9.0, _row(3, 0)), (9.2, _row(4, 1))])
     b = _inc(1, 0, 0.0, [(3.0, _row(1, 0)), (3.1, _row(2, 0))])
-    assert max_stall_s([a, b]) == pytest.approx(6.5)
+    assert max(step_gaps([a, b])) == pytest.approx(6.5)
     assert training_start([a, b]) == 3.0
     assert training_start([a, _inc(1, 0, 0.0, [])]) is None  # group 1 has not stepped yet
     assert training_start([a, b, _inc(1, 1, 20.0, [])]) == 3.0  # a restart does not move it
