@@ -217,10 +217,16 @@ def test_every_group_lost_at_once_resumes_from_its_own_checkpoint(tiny: Path, li
     with bitwise equal models on the last sync."""
     _, url = lighthouse
     steps = 48
-    hold = tiny / "hold"
+    # `start` holds both launches of each phase at their first forward until both are up (as in the test
+    # above): on a busy machine one group would otherwise train alone, its model then rightly differs
+    start, hold = tiny / "start", tiny / "hold"
     args = ("--model.factory=tests.cli.ft_hold:held_gpt", "--checkpoint.every=8")
-    groups = [Group(tiny, g, url, *args, steps=steps, hold=(hold,)) for g in (0, 1)]
+    start.touch()
+    groups = [Group(tiny, g, url, *args, steps=steps, hold=(start, hold)) for g in (0, 1)]
     try:
+        for g in groups:
+            g.wait_for(lambda ln: ln.startswith("lowband.train: strategy diloco"), "the group's start")
+        start.unlink()
         for g in groups:
             g.wait_for(lambda ln: ln.startswith("lowband.train: checkpoint step-"), "a checkpoint")
         hold.touch()  # both wait at their next forward: neither finishes before the kill
@@ -231,8 +237,12 @@ def test_every_group_lost_at_once_resumes_from_its_own_checkpoint(tiny: Path, li
                  for g in (0, 1)}
         assert all(saved.values()) and all(s[-1] < steps for s in saved.values()), saved
         hold.unlink()
-        groups += [Group(tiny, g, url, *args, steps=steps) for g in (0, 1)]
+        start.touch()
+        groups += [Group(tiny, g, url, *args, steps=steps, hold=(start,)) for g in (0, 1)]
         resumed = [g.wait_for(lambda ln: ln.startswith("lowband.train: resumed from"), "a resume") for g in groups[2:]]
+        for g in groups[2:]:
+            g.wait_for(lambda ln: ln.startswith("lowband.train: strategy diloco"), "the group's start")
+        start.unlink()
         results = [g.finish() for g in groups[2:]]
     finally:
         for g in groups:
