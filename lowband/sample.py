@@ -114,7 +114,7 @@ def stream_samples(args: argparse.Namespace, write: Callable[[str], None]) -> No
 
     from lowband.data.tokenizer import ByteTokenizer
     from lowband.model.generate import context_len_of, iter_tokens
-    from lowband.model.trained import load_trained, read_meta
+    from lowband.train.trained import load_trained, read_meta
 
     meta = read_meta(args.run)  # TrainedModelError (a ValueError) for a missing dir or damaged files
     if meta.get("tokenizer") != "bytes":

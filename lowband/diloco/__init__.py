@@ -4,8 +4,8 @@
 * :mod:`~lowband.diloco.fragments`: split a model into fragments, validate user-given ones;
 * :mod:`~lowband.diloco.outer`: the outer step's math (pseudo-gradient, outer step, merge);
 * :mod:`~lowband.diloco.streaming`: :class:`StreamingDiLoCo`, the distribution (inner optimizer hook);
-* :mod:`~lowband.diloco.state`: the one state format (DCP-ready) and :class:`DilocoCheckpoint`;
-* :mod:`~lowband.diloco.shards`: the logical (whole) form of row-sharded (GTP) parameters in that state;
+* :mod:`~lowband.diloco.state`: the one state format (DCP-ready), :class:`DilocoCheckpoint`, and
+  :class:`~lowband.diloco.state.GTPShardLayout` (the logical form of row-sharded (GTP) parameters in it);
 * :mod:`~lowband.diloco.membership`: static membership and the replica x dp mesh.
 * :mod:`~lowband.diloco.ft`: fault-tolerant membership through torchft (optional extra ``ft``).
 """

@@ -33,7 +33,7 @@ Two forms of the same keys and logical shapes (each loads from a file the other 
   every tensor is this rank's own elements as views of the live state, no copy. With whole parameters
   a value is the plain tensor (every rank holds it; DCP writes it once); with row-sharded parameters
   (GTP inside a replica: ``StreamingDiLoCo.state_layout`` is a
-  :class:`lowband.diloco.shards.GTPShardLayout`) a per-parameter value is a
+  :class:`lowband.diloco.state.GTPShardLayout`) a per-parameter value is a
   :class:`lowband.dcp_chunks.LocalChunks` of the whole, unpadded weight shape holding this rank's real
   rows (the same pieces on every replica: DCP writes them once); a per-replica value is lifted under the
   replica coordinate (:func:`lowband.dcp_chunks.lift_chunks`: pieces at ``(replica, *offsets)``). A
@@ -83,9 +83,62 @@ from torch import nn
 
 from lowband.dcp_chunks import LocalChunks, lift_chunks, lower_chunks, whole_or_chunks
 from lowband.optim.sharded_state import group_hyperparams
+from lowband.parallel.gtp import GTPWeight, is_gtp_param
+from lowband.parallel.gtp_state import gather_logical, local_rows, shard_of_logical, shard_of_saved
 
 if TYPE_CHECKING:
     from lowband.diloco.streaming import StreamingDiLoCo
+
+
+# ------------------------------------------------------------------------------ row-sharded (GTP) parameters
+class GTPShardLayout:
+    """Logical <-> local (row shard) tensors of the GTP parameters of ``model``, by parameter name.
+
+    With GTP inside a replica a DiLoCo parameter is this rank's row shard of a weight, and so are its global
+    copy, outer momentum, residual and piece of an in-flight buffer. This layout describes each in the
+    weight's logical (whole, unpadded) shape, so the state loads at any GTP size: :meth:`to_chunks` (what
+    checkpoints save: this rank's real rows as ``LocalChunks``, views, no copy) and :meth:`from_saved` (back
+    to the padded shard, pad rows zero); :meth:`to_logical` (the whole tensor, for
+    :meth:`StreamingDiLoCo.state_dict`) and :meth:`to_local`. Parameters that are not GTP shards pass through.
+
+    Communication: :meth:`to_logical` all-gathers the shard over the weight's GTP group
+    (``tag="diloco:state"``; every rank of that group calls it for the same names in the same order); the
+    other methods have none.
+
+    Args:
+        model: the GTP model (names as ``named_parameters()`` gives them: DiLoCo's fragment names).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.weights: dict[str, GTPWeight] = {n: p.gtp for n, p in model.named_parameters() if is_gtp_param(p)}
+
+    def to_logical(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """The whole (unpadded) tensor of which ``local`` is this rank's shard (collective over the GTP group)."""
+        gw = self.weights.get(name)
+        return local if gw is None else gather_logical(gw, local, tag="diloco:state")
+
+    def to_local(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's padded row shard of the logical ``full`` (``ValueError`` on a wrong shape)."""
+        gw = self.weights.get(name)
+        return full if gw is None else shard_of_logical(gw, full, f"diloco checkpoint: {name}")
+
+    def to_chunks(self, name: str, local: torch.Tensor) -> Any:
+        """``local`` (this rank's padded shard of ``name``, or a tensor of its shape) as a ``LocalChunks`` of
+        the logical shape holding its real rows, views of ``local`` (no copy, no communication); a
+        parameter that is not a GTP shard: ``local`` itself."""
+        gw = self.weights.get(name)
+        return local if gw is None else local_rows(gw, local)
+
+    def from_saved(self, name: str, saved: torch.Tensor) -> torch.Tensor:
+        """This rank's padded shard (pad rows zero) from a :meth:`to_chunks` template filled by ``dcp.load``
+        or from a whole logical tensor (``ValueError`` naming ``name`` when it fits neither); no
+        communication. A parameter that is not a GTP shard: ``saved`` itself."""
+        gw = self.weights.get(name)
+        return saved if gw is None else shard_of_saved(gw, saved, f"diloco checkpoint: {name}")
+
+    def logical_numel(self, name: str, local: torch.Tensor) -> int:
+        gw = self.weights.get(name)
+        return local.numel() if gw is None else gw.out_features * gw.in_features
 
 
 # ------------------------------------------------------------------------------ per-replica rows

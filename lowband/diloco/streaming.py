@@ -284,7 +284,7 @@ class StreamingDiLoCo:
         self.state_layout: Any = None
         """Maps a parameter's local tensors to their logical checkpoint form and back (``to_logical(name, t)``,
         ``to_local(name, t)``, ``weights``: the sharded names), when parameters are shards (GTP inside a
-        replica: :class:`lowband.diloco.shards.GTPShardLayout`); ``None`` = parameters are whole."""
+        replica: :class:`lowband.diloco.state.GTPShardLayout`); ``None`` = parameters are whole."""
         self.membership.attach(self)
         self._hooks = [inner_optimizer.register_step_post_hook(self._post_step)]
         if hasattr(self.membership, "before_step"):

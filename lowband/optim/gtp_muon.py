@@ -57,7 +57,7 @@ momentum plus the balance's imbalance; stored as one ``[k, rows, cols]`` stack p
 bucket, ``state[p]["momentum_buffer"]`` a view of it), the whole momentum of replicated Muon matrices,
 and AdamW's ``exp_avg``/``exp_avg_sq`` (shard-shaped for GTP shards) and ``step`` (a 0-d float32
 tensor, as torch keeps it). All state is allocated at construction, so :meth:`GTPMuon.state_bytes` is
-exact from the start. Checkpoints: :class:`lowband.parallel.gtp_muon_state.GTPMuonStateLayout`.
+exact from the start. Checkpoints: :class:`lowband.optim.gtp_muon_state.GTPMuonStateLayout`.
 
 Grad presence: a matrix whose shard has no ``.grad`` is skipped (as ``torch.optim`` does). GTP makes
 grad presence structural (every rank of the group runs the same forward), so every rank skips the same

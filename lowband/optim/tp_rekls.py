@@ -209,7 +209,7 @@ class TpRekls(REKLS):
 
         ``kind``: ``"sharded"`` (TP-sharded REKLS, factors split over the TP group), ``"rekls"``
         (replicated REKLS) or ``"adamw"`` (elementwise, on the local chunk). ``full_shape`` is the
-        dense shape. Public so that state layouts (:class:`lowband.parallel.tp_state.TPStateLayout`)
+        dense shape. Public so that state layouts (:class:`lowband.optim.tp_state.TPStateLayout`)
         can tell which state a parameter has. No collective; raises ``TypeError``/``ValueError`` on a
         bad layout."""
         t = self.tp_comm.size

@@ -2,8 +2,9 @@
 model plan), the process mesh (:mod:`lowband.parallel.mesh`), generalized tensor parallelism
 (:mod:`lowband.parallel.gtp`), and what works across them: initial-weight agreement
 (:mod:`lowband.parallel.init_sync`), global-norm clipping (:mod:`lowband.parallel.clip`), gathered
-evaluation (:func:`unsharded_copy`) and checkpoint layouts (:mod:`lowband.parallel.gtp_state`,
-:mod:`lowband.parallel.tp_state`)."""
+evaluation (:func:`unsharded_copy`) and GTP's checkpoint layout (:mod:`lowband.parallel.gtp_state`; the
+optimizers' own state layouts live beside them in :mod:`lowband.optim`). Imports nothing from
+:mod:`lowband.optim` or any package above it."""
 
 from lowband.parallel.clip import clip_grad_norm_, global_grad_norm
 from lowband.parallel.gtp import (

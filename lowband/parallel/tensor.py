@@ -64,7 +64,7 @@ class TPStateError(RuntimeError):
 
     A TP parameter is one rank's slice stored under the dense weight's name, so a plain state dict
     (e.g. torch DCP's ``get_state_dict``) would label a slice as the whole. Use
-    :class:`lowband.parallel.tp_state.TPStateLayout` (DCP-ready, reshards across TP sizes) or
+    :class:`lowband.optim.tp_state.TPStateLayout` (DCP-ready, reshards across TP sizes) or
     :func:`lowband.parallel.unsharded_copy`.
     """
 
@@ -86,7 +86,7 @@ def _guard_state(module: nn.Module) -> None:
                 f"state_dict()/load_state_dict() of a {type(mod).__name__} on a TP group of "
                 f"{mod.tp_comm.size} ranks would label this rank's slice as the dense weight (a mislabeled "
                 "checkpoint, e.g. with torch.distributed.checkpoint's get_state_dict); use "
-                "lowband.parallel.tp_state.TPStateLayout(model, optimizer, tp_size, dp_size) for "
+                "lowband.optim.tp_state.TPStateLayout(model, optimizer, tp_size, dp_size) for "
                 "checkpoints or lowband.parallel.unsharded_copy(model) for a plain model")
 
     module.register_state_dict_pre_hook(check)

@@ -2,7 +2,7 @@
 
 :func:`export_model` runs at the end of ``train`` when ``run.export`` is true and a run directory is
 written; it produces ``<run dir>/model.safetensors`` and ``model.json`` in the format
-:mod:`lowband.model.trained` documents (and :func:`lowband.load_trained` reads). Which copy is written:
+:mod:`lowband.train.trained` documents (and :func:`lowband.load_trained` reads). Which copy is written:
 
 * ``single``, ``ddp``, ``sharded-adamw`` / ``sharded-muon``: every rank holds the full model
   (``strategy.unwrapped()``; the sharded optimizers first wait for their in-flight parameter
@@ -25,7 +25,7 @@ renamed into place, so a crash never leaves a half-written ``model.safetensors``
 beside an old ``model.json``). Rank 0's outcome is then shared on ``env.metrics_comm`` (one
 ``all_gather_object`` of its error text, "" if none, on that Comm's own ledger), so a failed write
 raises the same :class:`ExportError` on every rank.
-Tied parameters are stored once (:func:`file_tensors`; see :mod:`lowband.model.trained`).
+Tied parameters are stored once (:func:`file_tensors`; see :mod:`lowband.train.trained`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lowband.model.trained import FORMAT, META_FILE, WEIGHTS_FILE
+from lowband.train.trained import FORMAT, META_FILE, WEIGHTS_FILE
 
 if TYPE_CHECKING:
     from lowband.train.config import Config
@@ -124,7 +124,7 @@ def _factory_spec(cfg: Config, model_factory: ModelFactory | None) -> tuple[str 
 
 def model_meta(model: nn.Module, cfg: Config, *, strategy: Strategy, world_size: int, step: int, source: str,
                model_factory: ModelFactory | None = None) -> dict[str, Any]:
-    """The ``model.json`` contents for ``model`` (the format of :mod:`lowband.model.trained`)."""
+    """The ``model.json`` contents for ``model`` (the format of :mod:`lowband.train.trained`)."""
     from lowband.model.gpt import GPT
 
     spec, name = _factory_spec(cfg, model_factory)

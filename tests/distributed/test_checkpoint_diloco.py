@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from lowband.optim.tp_state import full_state
 from lowband.testing import run_ranks
 from lowband.train.checkpoint import CheckpointError, list_checkpoints
-from lowband.train.checkpoint_tp import full_state
 from lowband.train.config import Config
 from lowband.train.trainer import train
 from tests.distributed.trainer_util import nan_loss_at

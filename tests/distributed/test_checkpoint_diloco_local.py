@@ -28,8 +28,8 @@ from typing import Any
 import pytest
 import torch
 
+from lowband.optim.tp_state import full_state
 from lowband.testing import run_ranks
-from lowband.train.checkpoint_tp import full_state
 from lowband.train.config import Config
 from lowband.train.trainer import train
 from tests.distributed.test_checkpoint_diloco import assert_same_state, diloco_config, gather_chunks

@@ -134,8 +134,8 @@ def _tiny_layout(seed: int, algo: str) -> tuple[nn.Module, Any, Any, Any]:
     import torch.distributed as dist
 
     from lowband.optim.gtp_muon import GTPMuon
+    from lowband.optim.gtp_muon_state import GTPMuonStateLayout
     from lowband.parallel.gtp import GTPRuntime, shard_linears
-    from lowband.parallel.gtp_muon_state import GTPMuonStateLayout
     from lowband.parallel.gtp_state import GTPStateLayout
     from lowband.parallel.mesh import build_mesh
 

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from lowband.parallel.tp_state import full_state, qkv_perm
+from lowband.optim.tp_state import full_state, qkv_perm
 from lowband.testing import run_ranks
 from lowband.train.checkpoint import list_checkpoints
 from lowband.train.config import Config

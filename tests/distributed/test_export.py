@@ -302,7 +302,7 @@ def test_unimportable_python_factory_is_exported_and_load_trained_says_how_to_lo
     them, and load_trained explains how to load them into a module built by hand (which works)."""
     from safetensors.torch import load_model
 
-    from lowband.model.trained import TrainedModelError, load_trained
+    from lowband.train.trained import TrainedModelError, load_trained
     from tests.external.outside_gpt import OutsideConfig, seeded_model
 
     cfg = export_config(shard, tmp_path, 1, "single", "lam")
@@ -326,7 +326,7 @@ def test_unimportable_python_factory_is_exported_and_load_trained_says_how_to_lo
 
 
 def test_load_trained_errors_name_the_missing_piece(tmp_path: Path) -> None:
-    from lowband.model.trained import TrainedModelError, load_trained
+    from lowband.train.trained import TrainedModelError, load_trained
 
     with pytest.raises(TrainedModelError, match="does not exist"):
         load_trained(tmp_path / "nope")

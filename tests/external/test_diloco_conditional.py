@@ -35,7 +35,7 @@ import torch.distributed as dist
 from lowband.comm import Comm
 from lowband.comm.codecs import MESSAGE_CODECS, get_wire, reference_wire_all_reduce, sender_roundtrip
 from lowband.diloco import StreamingDiLoCo, replica_mesh, split_fragments
-from lowband.diloco.shards import GTPShardLayout
+from lowband.diloco.state import GTPShardLayout
 from lowband.optim import ShardedAdamW
 from lowband.parallel.gtp import GTPRuntime, shard_linears
 from lowband.parallel.mesh import build_mesh

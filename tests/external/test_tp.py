@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from lowband.comm import Comm, default_ledger
+from lowband.optim.tp_state import TPStateLayout, full_state
 from lowband.parallel import (
     TPInputGather,
     TPStateError,
@@ -33,7 +34,6 @@ from lowband.parallel import (
 )
 from lowband.parallel.gtp import reduce_grads
 from lowband.parallel.mesh import build_mesh
-from lowband.parallel.tp_state import TPStateLayout, full_state
 from lowband.plan import ModelPlan, ParallelLinear
 from lowband.testing import run_ranks
 from tests.external.outside_gpt import OutsideConfig, outside_plan, random_batch, seeded_model

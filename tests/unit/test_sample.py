@@ -1,7 +1,7 @@
 """Sampling (lowband.model.generate) and the ``python -m lowband.sample`` CLI (issue 14, point 4).
 
 The model is a tiny seeded GPT; the run directory is written by hand in the format documented in
-:mod:`lowband.model.trained` (the trainer's side is tests/distributed/test_export.py). Greedy decoding
+:mod:`lowband.train.trained` (the trainer's side is tests/distributed/test_export.py). Greedy decoding
 is compared with an argmax rollout written out here; equality is exact, as both run the same forward
 on the same windows.
 """
@@ -24,7 +24,7 @@ from lowband import sample
 from lowband.data.tokenizer import ByteTokenizer
 from lowband.model import GPT, GPTConfig
 from lowband.model.generate import check_sampling, generate, next_token
-from lowband.model.trained import FORMAT
+from lowband.train.trained import FORMAT
 
 REPO = Path(__file__).resolve().parents[2]
 SEQ = 8
@@ -143,7 +143,7 @@ def test_generate_accepts_tuple_and_object_outputs_and_restores_train_mode() -> 
 
 # ---------------------------------------------------------------------------------------------- CLI
 def write_run(run: Path, model: GPT) -> None:
-    """The trainer's export files for ``model``, written as lowband.model.trained documents them."""
+    """The trainer's export files for ``model``, written as lowband.train.trained documents them."""
     run.mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(run / "model.safetensors"))
     meta = {"format": FORMAT, "weights": "model.safetensors", "builder": "gpt", "gpt": model.config.to_dict(),

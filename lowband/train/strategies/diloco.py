@@ -56,7 +56,7 @@ from torch import nn
 
 from lowband.comm.codecs import WIRE_CODECS
 from lowband.diloco import StreamingDiLoCo, split_fragments
-from lowband.diloco.shards import GTPShardLayout
+from lowband.diloco.state import GTPShardLayout
 from lowband.parallel.mesh import build_mesh
 from lowband.train.strategies import get_strategy_class, register_strategy
 from lowband.train.strategies.base import Strategy

@@ -27,7 +27,7 @@ agree). Tied weights (an output head tied to the token embedding) stay replicate
 Checkpoints: :class:`lowband.parallel.gtp_state.GTPStateLayout`: in logical shapes, with the keys of
 ``single``/``ddp`` (format ``replicated``), each rank writing only the real rows of its shards (rank-local
 chunks, no gather), so they reshard to any GTP degree and are interchangeable with those strategies. With
-Muon: :class:`lowband.parallel.gtp_muon_state.GTPMuonStateLayout` (format ``gtp-muon-v1``; logical shapes,
+Muon: :class:`lowband.optim.gtp_muon_state.GTPMuonStateLayout` (format ``gtp-muon-v1``; logical shapes,
 rank-local too, reshards to any GTP degree, not loadable by ``single``/``ddp``).
 
 Inside a larger mesh (a DiLoCo replica): :meth:`GTPStrategy.setup_on_mesh` takes the mesh's ``gtp``
@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from lowband.optim.gtp_muon import GTPMuon
+from lowband.optim.gtp_muon_state import GTPMuonStateLayout
 from lowband.parallel.clip import clip_grad_norm_, global_grad_norm
 from lowband.parallel.gtp import (
     GTPRuntime,
@@ -56,7 +57,6 @@ from lowband.parallel.gtp import (
     shard_embeddings,
     shard_linears,
 )
-from lowband.parallel.gtp_muon_state import GTPMuonStateLayout
 from lowband.parallel.gtp_quant import BlockSpec
 from lowband.parallel.gtp_state import GTPStateLayout
 from lowband.parallel.init_sync import sync_module_state
@@ -208,7 +208,7 @@ class GTPStrategy(Strategy):
         """``"replicated"`` (``gtp.optimizer = "adamw"``): the state is saved in the logical
         (unpadded) shapes and under the same keys as ``single``/``ddp``, so a GTP checkpoint loads at any
         GTP degree and into those strategies, and theirs into GTP. ``"gtp-muon-v1"`` (``"muon"``):
-        :class:`lowband.parallel.gtp_muon_state.GTPMuonStateLayout`, also logical and GTP-degree
+        :class:`lowband.optim.gtp_muon_state.GTPMuonStateLayout`, also logical and GTP-degree
         independent, but with Muon momenta that ``single``/``ddp`` have no place for."""
         return "gtp-muon-v1" if self.cfg.gtp.optimizer == "muon" else "replicated"
 
@@ -220,7 +220,7 @@ class GTPStrategy(Strategy):
 
     def state_dict(self) -> dict[str, Any]:
         """:meth:`lowband.parallel.gtp_state.GTPStateLayout.state_dict` (with Muon,
-        :class:`~lowband.parallel.gtp_muon_state.GTPMuonStateLayout`'s): every GTP shard (and its optimizer
+        :class:`~lowband.optim.gtp_muon_state.GTPMuonStateLayout`'s): every GTP shard (and its optimizer
         state) as rank-local chunks of the logical tensor holding this rank's real rows (no communication),
         under the keys of ``single``/``ddp``."""
         return self._layout.state_dict()

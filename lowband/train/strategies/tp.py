@@ -115,13 +115,13 @@ class TPStrategy(Strategy):
         return self.model
 
     # ----------------------------------------------------------------------------------------------
-    # Checkpoint hooks (docs/checkpoints.md); the layout is lowband.parallel.tp_state.TPStateLayout:
+    # Checkpoint hooks (docs/checkpoints.md); the layout is lowband.optim.tp_state.TPStateLayout:
     # TP shards and REKLS factor rows as DTensors on the dp x tp mesh in the dense model's coordinates,
     # so a checkpoint loads at another TP size. skip_step is the default (zero_grad): the DP gradient
     # all-reduce and the TP-REKLS collectives are synchronous, nothing is in flight at the guard.
 
     def _ckpt_layout(self):
-        from lowband.parallel.tp_state import TPStateLayout
+        from lowband.optim.tp_state import TPStateLayout
 
         if getattr(self, "_ckpt", None) is None:
             self._ckpt = TPStateLayout(self.model.module, self.optimizer, self.mesh.tp.size, self.mesh.dp.size)
