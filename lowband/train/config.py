@@ -618,14 +618,6 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           "default)")
     if m.bigram_rows == 1:
         raise ConfigError("model.bigram_rows must be 0 (off) or >= 2, got 1")
-    # lowband's GPT: its plan's table names are known here; a factory model's are checked against its
-    # plan when the strategy is set up (every rank alike, before any collective).
-    gpt = not m.factory
-    for t in cfg.sparse.tables if gpt and cfg.strategy.name.startswith("sharded-") else ():
-        if t not in ("bigram", "tok_emb"):
-            raise ConfigError(f"sparse.tables: {t!r} is not allowed; allowed: bigram, tok_emb")
-        if t == "bigram" and m.bigram_rows == 0:
-            raise ConfigError("sparse.tables = ['bigram'] needs model.bigram_rows >= 2")
     if cfg.data.batch_size % cfg.data.grad_accum:
         raise ConfigError(f"data.batch_size ({cfg.data.batch_size}) must be divisible by data.grad_accum "
                           f"({cfg.data.grad_accum})")

@@ -90,3 +90,28 @@ def test_gtp_inner_refuses_a_model_without_linears_before_any_collective() -> No
                                                     "stays replicated) (its 2-D weights sit in _Proj modules)")):
         strategy.setup(nn.Sequential(_Proj(), nn.Tanh()))
     assert not hasattr(strategy, "mesh")
+
+
+def test_inner_choices_are_the_strategies_that_declare_themselves_diloco_inners() -> None:
+    """``diloco.inner``'s choices (config, the diloco strategy's list) are exactly the registered strategies
+    whose class sets ``diloco_inner``; the format tags and the agreed sections come from the inner's hooks."""
+    from lowband.train.config import CHOICES, Config
+    from lowband.train.env import init_distributed
+    from lowband.train.strategies import available, get_strategy_class
+    from lowband.train.strategies.diloco import INNER, ft_agreed_settings, inner_gtp_size
+
+    assert set(INNER) == {n for n in available() if get_strategy_class(n).diloco_inner}
+    assert tuple(CHOICES["diloco.inner"]) == INNER
+    env = init_distributed("cpu", 30.0)
+    tags = {}
+    for name in INNER:
+        cfg = Config()
+        cfg.strategy.name, cfg.diloco.inner, cfg.gtp.optimizer = "diloco", name, "muon"
+        inner = get_strategy_class(name)(cfg, env)
+        tags[name] = inner.inner_format()
+        agreed = {k.split(".")[0] for k in ft_agreed_settings(cfg, 4)}
+        assert ("sharded" in agreed, "gtp" in agreed) == (name.startswith("sharded-"), name == "gtp"), name
+        cfg.gtp.size = 0
+        cfg.diloco.num_replicas = 2
+        assert inner_gtp_size(cfg, 8) == (4 if name == "gtp" else 1)
+    assert tags == {"ddp": None, "sharded-adamw": "sharded-adamw", "sharded-muon": "sharded-muon", "gtp": "gtp-muon"}

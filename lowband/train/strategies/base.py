@@ -88,6 +88,61 @@ class Strategy:
     def setup(self, model: nn.Module) -> None:
         raise NotImplementedError
 
+    # ----------------------------------------------------------------------------------------------
+    # Inside a DiLoCo replica (``diloco.inner``). The ``diloco`` strategy builds the replica x dp x gtp mesh,
+    # sets the inner strategy up on it with :meth:`setup_on_mesh` and asks it only through these hooks, so a
+    # strategy becomes a DiLoCo inner by implementing them (no branch on its name in ``diloco``).
+
+    diloco_inner: ClassVar[bool] = False
+    """Whether this strategy can run inside a DiLoCo replica (it implements :meth:`setup_on_mesh`)."""
+    sparse_rows: ClassVar[bool] = False
+    """Whether this strategy exchanges only the touched rows of ``sparse.tables`` (else they are refused)."""
+    ft_agreed_sections: ClassVar[tuple[str, ...]] = ()
+    """This strategy's config sections that fault-tolerant replica groups running it must share, key by key."""
+
+    @classmethod
+    def inner_gtp_size(cls, cfg: Config, per_replica: int) -> int:
+        """The size of the mesh's ``gtp`` axis this strategy shards over inside a replica of ``per_replica``
+        ranks (the rest is ``dp``). Default 1: no GTP axis."""
+        return 1
+
+    @classmethod
+    def validate_inner(cls, cfg: Config, per_replica: int) -> None:
+        """Raise ``ConfigError`` if this strategy cannot run ``cfg`` inside a DiLoCo replica of ``per_replica``
+        ranks (local checks, every rank alike). Default: nothing."""
+
+    @classmethod
+    def accepts_fp8_grads_inner(cls, cfg: Config) -> bool:
+        """Whether ``strategy.grad_wire_dtype = "fp8"`` works with this strategy inside a DiLoCo replica."""
+        return False
+
+    @classmethod
+    def check_inner_model(cls, model: nn.Module) -> None:
+        """Refuse (``ConfigError``, no communication) a model this strategy cannot shard inside a replica,
+        before the mesh's collectives. Default: nothing."""
+
+    def setup_on_mesh(self, model: nn.Module, mesh: Any) -> None:
+        """:meth:`setup` on the ranks of ``mesh`` (a :class:`lowband.parallel.mesh.ParallelMesh`, e.g. one DiLoCo
+        replica's): the data-parallel group is ``mesh.dp``, GTP shards over ``mesh.gtp``."""
+        raise NotImplementedError(f"strategy {self.name} cannot run inside a DiLoCo replica")
+
+    def prepare_inner(self) -> None:
+        """Called inside DiLoCo after construction, before :meth:`setup_on_mesh` (a strategy whose updated
+        weights arrive after ``step()`` makes them arrive within it: DiLoCo's step hook reads them). Default:
+        nothing."""
+
+    def inner_checkpoint(self) -> Any:
+        """What :class:`lowband.diloco.state.DilocoCheckpoint` nests as the replica's model and optimizer: an
+        object with rank-local ``state_dict()`` / ``load_state_dict(state)`` in the ``{"model", "optim"}`` form
+        (default: this strategy's own checkpoint hooks), or ``None`` for the inner torch optimizer's state per
+        parameter."""
+        return self
+
+    def inner_format(self) -> str | None:
+        """This strategy's part of the DiLoCo checkpoint format tag (``diloco-r<R>-<part>-v1``; ``None``: the
+        first DiLoCo format, ``diloco-r<R>-v1``). A checkpoint resumes only with the same inner strategy."""
+        return self.name
+
     @contextlib.contextmanager
     def microbatch(self, last: bool) -> Iterator[None]:
         """Context for one microbatch's forward+backward; ``last`` is False while accumulating."""

@@ -90,6 +90,7 @@ def check_reduction_finished(model: nn.Module, where: str) -> None:
 @register_strategy("ddp")
 class DDPStrategy(Strategy):
     config_sections = ("strategy",)
+    diloco_inner = True
 
     def setup(self, model: nn.Module) -> None:
         if self.env.world_size > 1:
@@ -114,6 +115,14 @@ class DDPStrategy(Strategy):
 
     where = "strategy ddp"
     """How errors name this strategy (``diloco.inner = ddp`` inside DiLoCo)."""
+
+    def inner_checkpoint(self) -> None:
+        """Inside DiLoCo the inner torch AdamW's state is saved per parameter (``DilocoCheckpoint``'s own)."""
+        return None
+
+    def inner_format(self) -> None:
+        """The first DiLoCo checkpoint format, ``diloco-r<R>-v1``, unchanged."""
+        return None
 
     @contextlib.contextmanager
     def microbatch(self, last: bool) -> Iterator[None]:

@@ -17,7 +17,10 @@ gradients are averaged over ``mesh.dp``, GTP shards over ``mesh.gtp``):
 * ``gtp``: every linear weight (and plain embedding) row-sharded over ``gtp``, ``gtp.optimizer`` AdamW
   or Muon on the shards, gradients averaged over ``dp``.
 
-This strategy delegates ``microbatch``, ``clip_grad_norm``, ``optimizer_step``, ``skip_step``,
+The inner strategy is asked only through :class:`~lowband.train.strategies.base.Strategy`'s DiLoCo-inner hooks
+(``diloco_inner``, ``inner_gtp_size``, ``validate_inner``, ``check_inner_model``, ``prepare_inner``,
+``setup_on_mesh``, ``inner_checkpoint``, ``inner_format``, ``sparse_rows``, ``ft_agreed_sections``): this module
+has no branch on its name. This strategy delegates ``microbatch``, ``clip_grad_norm``, ``optimizer_step``, ``skip_step``,
 ``observe_batch``, ``prepare_resume``, ``unwrapped`` and ``param_shapes`` to the inner strategy.
 
 Across replicas: :class:`lowband.diloco.StreamingDiLoCo` on the ``replica`` group (the ranks with the
@@ -64,15 +67,24 @@ from lowband.train.strategies.base import Strategy
 WIRES = tuple(c for c in WIRE_CODECS if c != "fp64")
 ERROR_FEEDBACK = {"auto": None, "on": True, "off": False}
 INNER = ("ddp", "sharded-adamw", "sharded-muon", "gtp")
-"""Strategies that can run inside a DiLoCo replica (``diloco.inner``)."""
-SHARDED_INNER = ("sharded-adamw", "sharded-muon")
+"""Strategies that can run inside a DiLoCo replica (``diloco.inner``): those whose class sets
+:attr:`Strategy.diloco_inner <lowband.train.strategies.base.Strategy.diloco_inner>` (a unit test checks that this
+list, the config's choices and the registry agree)."""
+
+
+def inner_class(cfg: Any) -> type[Strategy]:
+    """The strategy class of ``diloco.inner`` (``ConfigError`` naming the choices for another name)."""
+    from lowband.train.config import ConfigError
+
+    if cfg.diloco.inner not in INNER:
+        raise ConfigError(f"diloco.inner must be one of {', '.join(INNER)}; got {cfg.diloco.inner!r}")
+    return get_strategy_class(cfg.diloco.inner)
 
 
 def inner_gtp_size(cfg: Any, world_size: int) -> int:
-    """GTP group size inside a replica (1 unless ``diloco.inner = "gtp"``; ``gtp.size = 0`` = the replica)."""
-    d = cfg.diloco
-    per_replica = world_size // (d.num_replicas or world_size)
-    return (cfg.gtp.size or per_replica) if d.inner == "gtp" else 1
+    """GTP group size inside a replica (:meth:`Strategy.inner_gtp_size` of ``diloco.inner``; 1 = none)."""
+    per_replica = world_size // (cfg.diloco.num_replicas or world_size)
+    return inner_class(cfg).inner_gtp_size(cfg, per_replica)
 
 
 def lighthouse_url(cfg: Any) -> str:
@@ -122,12 +134,7 @@ def ft_agreed_settings(cfg: Any, world_size: int) -> dict[str, object]:
     import dataclasses
 
     out: dict[str, object] = {"ranks per replica group (run.world_size)": world_size}
-    sections = list(AGREED_SECTIONS)
-    if cfg.diloco.inner in SHARDED_INNER:
-        sections.append("sharded")
-    elif cfg.diloco.inner == "gtp":
-        sections.append("gtp")
-    for sec in sections:
+    for sec in (*AGREED_SECTIONS, *inner_class(cfg).ft_agreed_sections):
         for fld in dataclasses.fields(getattr(cfg, sec)):
             out[f"{sec}.{fld.name}"] = getattr(getattr(cfg, sec), fld.name)
     for key in AGREED_KEYS:
@@ -142,8 +149,9 @@ class DilocoStrategy(Strategy):
 
     @classmethod
     def accepts_fp8_grads(cls, cfg) -> bool:
-        """fp8 gradients are the inner data parallelism's: a sharded inner reduce-scatters them."""
-        return cfg.diloco.inner in SHARDED_INNER
+        """fp8 gradients are the inner data parallelism's (:meth:`Strategy.accepts_fp8_grads_inner`: a sharded
+        inner reduce-scatters them)."""
+        return cfg.diloco.inner in INNER and inner_class(cfg).accepts_fp8_grads_inner(cfg)
 
     @classmethod
     def validate_config(cls, cfg, world_size: int) -> None:
@@ -186,40 +194,16 @@ class DilocoStrategy(Strategy):
 
     @staticmethod
     def _validate_inner(cfg, per_replica: int) -> None:
-        """``diloco.inner`` and the settings of the strategy inside a replica of ``per_replica`` ranks."""
+        """``diloco.inner`` and the settings of the strategy inside a replica of ``per_replica`` ranks (its
+        :meth:`Strategy.validate_inner`)."""
         from lowband.train.config import ConfigError
 
-        d = cfg.diloco
-        if d.inner not in INNER:
-            raise ConfigError(f"diloco.inner must be one of {', '.join(INNER)}; got {d.inner!r}")
-        if cfg.sparse.tables and d.inner not in SHARDED_INNER:
-            raise ConfigError(f"sparse.tables = {list(cfg.sparse.tables)} needs diloco.inner = sharded-adamw or "
-                              f"sharded-muon (the sharded optimizer exchanges a table's touched rows); got "
-                              f"diloco.inner = {d.inner}")
-        if d.inner == "gtp":
-            g = cfg.gtp.size
-            if g < 0 or (g and per_replica % g):
-                raise ConfigError(f"gtp.size must be 0 (the whole replica) or a divisor of run.world_size / "
-                                  f"diloco.num_replicas = {per_replica} ranks per replica (diloco.inner = gtp); "
-                                  f"got {g}")
-            get_strategy_class("gtp").validate_config(cfg, per_replica)  # gtp.* (and gtp.optimizer) checks
-        if d.inner in SHARDED_INNER:
-            # an fp32 master copy of the owned slices (kept for bf16 gathers or bf16 parameters) would not see
-            # the weights DiLoCo writes at every sync: the next inner step would overwrite them from it
-            if cfg.sharded.param_wire_dtype != "float32":
-                raise ConfigError(f"sharded.param_wire_dtype = {cfg.sharded.param_wire_dtype} is not supported with "
-                                  f"diloco.inner = {d.inner} (its fp32 master copy would not see the weights "
-                                  "DiLoCo writes at a sync); use float32")
-            if cfg.run.dtype == "bfloat16":
-                raise ConfigError(f"run.dtype = bfloat16 is not supported with diloco.inner = {d.inner} (the "
-                                  "sharded optimizer's fp32 master copy would not see the weights DiLoCo writes at "
-                                  "a sync); use float32 or float64, or diloco.inner = ddp")
-            if cfg.sparse.tables and not cfg.model.factory:
-                for t in cfg.sparse.tables:
-                    if t not in ("bigram", "tok_emb"):
-                        raise ConfigError(f"sparse.tables: {t!r} is not allowed; allowed: bigram, tok_emb")
-                    if t == "bigram" and cfg.model.bigram_rows == 0:
-                        raise ConfigError("sparse.tables = ['bigram'] needs model.bigram_rows >= 2")
+        inner_cls = inner_class(cfg)
+        if cfg.sparse.tables and not inner_cls.sparse_rows:
+            raise ConfigError(f"sparse.tables = {list(cfg.sparse.tables)} needs diloco.inner = "
+                              f"{' or '.join(n for n in INNER if get_strategy_class(n).sparse_rows)} (the sharded "
+                              f"optimizer exchanges a table's touched rows); got diloco.inner = {cfg.diloco.inner}")
+        inner_cls.validate_inner(cfg, per_replica)
 
     # ------------------------------------------------------------------------------------------ setup
     def setup(self, model: nn.Module) -> None:
@@ -233,22 +217,18 @@ class DilocoStrategy(Strategy):
         replicas = d.num_replicas or world
         gtp = inner_gtp_size(self.cfg, world)
         plan = self.model_plan(model)
-        inner_cls = get_strategy_class(d.inner)
+        inner_cls = inner_class(self.cfg)
         if inner_cls.needs_parallel_linears and not plan.parallel_linears:
             raise ConfigError(f"diloco.inner = {d.inner} needs the model plan's parallel_linears (the linears "
                               f"to shard); the plan of {type(model).__name__} lists none")
-        if d.inner == "gtp":  # plan-free: every nn.Linear; refused before the mesh's collectives if none
-            from lowband.train.strategies.gtp import check_gtp_model
-
-            check_gtp_model(model, "diloco.inner = gtp")
+        inner_cls.check_inner_model(model)  # before the mesh's collectives
         # fragments by name, cut from the unsharded model, so every inner strategy syncs the same split
         frag_names = [f.names for f in split_fragments(model, d.fragments, plan=plan)]
         self.mesh = build_mesh(replica=replicas, dp=world // (replicas * gtp), gtp=gtp, ledger=self.env.ledger)
         inner = inner_cls(self.cfg, self.env)
         inner.plan, inner.forward = plan, self.forward
-        if d.inner in SHARDED_INNER:
-            inner.param_gather = "step"  # type: ignore[attr-defined]
-        inner.setup_on_mesh(model, self.mesh)  # type: ignore[attr-defined]
+        inner.prepare_inner()
+        inner.setup_on_mesh(model, self.mesh)
         self.inner = inner
         self.model, self.optimizer = inner.model, inner.optimizer
         params = dict(inner.unwrapped().named_parameters())
@@ -428,19 +408,13 @@ class DilocoStrategy(Strategy):
         if getattr(self, "_ckpt", None) is None:
             m = self.mesh
             per = m.shape.dp * m.shape.gtp
-            inner = None if self.cfg.diloco.inner == "ddp" else self.inner
             self._ckpt = DilocoCheckpoint(self.unwrapped(), self.optimizer, self.diloco, m.shape.replica, per,
-                                          m.coords.replica, inner=inner)
+                                          m.coords.replica, inner=self.inner.inner_checkpoint())
         return self._ckpt
 
     def checkpoint_format(self) -> str | None:
-        inner = self.cfg.diloco.inner
-        r = self.mesh.shape.replica
-        if inner == "ddp":
-            return f"diloco-r{r}-v1"  # the format of the first DiLoCo checkpoints, unchanged
-        if inner == "gtp":
-            return f"diloco-r{r}-gtp-{self.cfg.gtp.optimizer}-v1"
-        return f"diloco-r{r}-{inner}-v1"
+        part = self.inner.inner_format()  # None: the format of the first DiLoCo checkpoints (ddp inside)
+        return f"diloco-r{self.mesh.shape.replica}-{part}-v1" if part else f"diloco-r{self.mesh.shape.replica}-v1"
 
     def state_dict(self) -> dict[str, Any]:
         return self._ckpt_layout().state_dict()

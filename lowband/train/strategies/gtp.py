@@ -95,6 +95,32 @@ class GTPStrategy(Strategy):
     config_sections = ("strategy", "gtp")
     needs_parallel_linears = False  # plan-free: every nn.Linear is sharded (check_gtp_model)
     fp8_grads = True  # the GTP reduce-scatter (GTPOptions.grad_wire_dtype = "fp8"); not the dp all-reduce
+    diloco_inner = True
+    ft_agreed_sections = ("gtp",)
+
+    @classmethod
+    def inner_gtp_size(cls, cfg, per_replica: int) -> int:
+        """``gtp.size``, 0 = the whole replica."""
+        return cfg.gtp.size or per_replica
+
+    @classmethod
+    def validate_inner(cls, cfg, per_replica: int) -> None:
+        """``gtp.size`` divides the replica; the ``gtp`` section's checks on a world of one replica."""
+        from lowband.train.config import ConfigError
+
+        g = cfg.gtp.size
+        if g < 0 or (g and per_replica % g):
+            raise ConfigError(f"gtp.size must be 0 (the whole replica) or a divisor of run.world_size / "
+                              f"diloco.num_replicas = {per_replica} ranks per replica (diloco.inner = gtp); "
+                              f"got {g}")
+        cls.validate_config(cfg, per_replica)
+
+    @classmethod
+    def check_inner_model(cls, model: nn.Module) -> None:
+        check_gtp_model(model, "diloco.inner = gtp")
+
+    def inner_format(self) -> str:
+        return f"gtp-{self.cfg.gtp.optimizer}"
 
     @classmethod
     def validate_config(cls, cfg, world_size: int) -> None:

@@ -40,10 +40,58 @@ from lowband.train.strategies.base import Strategy
 _WIRE = {"float32": None, "bfloat16": torch.bfloat16, "fp8": "fp8"}  # fp8: block-scaled (codec_reduce_scatter)
 
 
+def check_gpt_sparse_tables(cfg: Any) -> None:
+    """``sparse.tables`` of lowband's GPT (``model.factory`` empty): only its ``bigram`` and ``tok_emb`` tables,
+    the bigram table only when it exists. A factory model's tables are checked against its plan at set-up
+    (:func:`lowband.optim.sparse_rows.sparse_tables_from_plan`, every rank alike, before any collective)."""
+    from lowband.train.config import ConfigError
+
+    for t in cfg.sparse.tables if not cfg.model.factory else ():
+        if t not in ("bigram", "tok_emb"):
+            raise ConfigError(f"sparse.tables: {t!r} is not allowed; allowed: bigram, tok_emb")
+        if t == "bigram" and cfg.model.bigram_rows == 0:
+            raise ConfigError("sparse.tables = ['bigram'] needs model.bigram_rows >= 2")
+
+
 class _ShardedBase(Strategy):
     config_sections = ("strategy", "sharded", "sparse")
     fp8_grads = True
+    diloco_inner = True
+    sparse_rows = True
+    ft_agreed_sections = ("sharded",)
     optimizer: ShardedOptimizer
+
+    @classmethod
+    def validate_config(cls, cfg: Any, world_size: int) -> None:
+        super().validate_config(cfg, world_size)
+        check_gpt_sparse_tables(cfg)
+
+    @classmethod
+    def validate_inner(cls, cfg: Any, per_replica: int) -> None:
+        """An fp32 master copy of the owned slices (kept for bf16 gathers or bf16 parameters) would not see the
+        weights DiLoCo writes at every sync (the next inner step would overwrite them from it): refused."""
+        from lowband.train.config import ConfigError
+
+        where = f"diloco.inner = {cls.name}"
+        if cfg.sharded.param_wire_dtype != "float32":
+            raise ConfigError(f"sharded.param_wire_dtype = {cfg.sharded.param_wire_dtype} is not supported with "
+                              f"{where} (its fp32 master copy would not see the weights DiLoCo writes at a sync); "
+                              "use float32")
+        if cfg.run.dtype == "bfloat16":
+            raise ConfigError(f"run.dtype = bfloat16 is not supported with {where} (the sharded optimizer's fp32 "
+                              "master copy would not see the weights DiLoCo writes at a sync); use float32 or "
+                              "float64, or diloco.inner = ddp")
+        check_gpt_sparse_tables(cfg)
+
+    @classmethod
+    def accepts_fp8_grads_inner(cls, cfg: Any) -> bool:
+        """The reduce-scatter inside the replica carries the fp8 gradients."""
+        return True
+
+    def prepare_inner(self) -> None:
+        """Inside DiLoCo the updated slices are all-gathered within ``step()`` (``param_gather = "step"``):
+        DiLoCo's step hook reads the updated weights."""
+        self.param_gather = "step"
 
     def _groups(self, model: nn.Module) -> list[dict]:
         raise NotImplementedError
