@@ -158,8 +158,12 @@ def replica_layout(comm: Any) -> tuple[int, int, int] | None:
 
 
 def per_replica(x: torch.Tensor, replicas: int, dp: int, meshes: dict) -> Any:
-    """``x`` as this replica's row of an ``(R, *shape)`` tensor: a DTensor when there are several ranks
-    (on a ``(replica, dp)`` device mesh created once per ``meshes`` cache, collectively)."""
+    """``x`` as this replica's row of an ``(R, *shape)`` tensor: a DTensor when there are several ranks,
+    sharded over the first dimension of the device mesh ``meshes[(device type, replicas, dp)]`` (the replica
+    axis, replica-major) and replicated over the others. A caller with a
+    :class:`~lowband.parallel.mesh.ParallelMesh` puts its :meth:`~lowband.parallel.mesh.ParallelMesh.device_mesh`
+    there (the trainer's ``diloco`` strategy does: no new process group); else a ``(replica, dp)`` mesh is
+    created once per cache, collectively (``init_device_mesh``: new groups)."""
     local = x.detach().unsqueeze(0).contiguous().clone()
     if replicas * dp == 1:
         return local
@@ -169,10 +173,11 @@ def per_replica(x: torch.Tensor, replicas: int, dp: int, meshes: dict) -> Any:
     key = (x.device.type, replicas, dp)
     if key not in meshes:
         meshes[key] = init_device_mesh(x.device.type, (replicas, dp), mesh_dim_names=("replica", "dp"))
+    mesh = meshes[key]
     shape = torch.Size((replicas, *x.shape))
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, meshes[key], [Shard(0), Replicate()], run_check=False, shape=shape,
-                              stride=stride)
+    return DTensor.from_local(local, mesh, [Shard(0)] + [Replicate()] * (mesh.ndim - 1), run_check=False,
+                              shape=shape, stride=stride)
 
 
 def row(x: Any) -> torch.Tensor:

@@ -277,7 +277,8 @@ class StreamingDiLoCo:
         self.committed = 0
         self.local_step = 0
         self._inflight: _InFlight | None = None
-        self.dcp_meshes: dict = {}  # (device type, replicas, dp) -> DeviceMesh of the per-replica state rows
+        self.dcp_meshes: dict = {}  # (device type, replicas, dp) -> DeviceMesh (replica axis first) of the
+        # per-replica state rows (lowband.diloco.state.per_replica; the trainer puts its ParallelMesh's there)
         self._on_sync: list[Callable[[StreamingDiLoCo, int], None]] = []
         self._on_attempt: list[Callable[[StreamingDiLoCo, int, bool], None]] = []
         self._paused = False

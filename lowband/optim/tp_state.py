@@ -39,8 +39,9 @@ Parameters whose optimizer state does not exist yet get the state their optimize
 (zeros, identity bases, step 0), so a template always has every key, and loading a never-stepped
 state is the same as a fresh start.
 
-Communication: none in :func:`tp_state_dict` / :func:`tp_load_state_dict` beyond building the
-``DeviceMesh`` once (new process groups, every rank alike); DCP moves the bytes.
+Communication: none of its own; the DTensors live on the ``(dp, tp)`` slice of the mesh's own ``DeviceMesh``
+(:meth:`lowband.parallel.mesh.ParallelMesh.device_mesh`, no new process group) when the caller gives it, else on
+one built once with ``init_device_mesh`` (new process groups, every rank alike); DCP moves the bytes.
 """
 
 from __future__ import annotations
@@ -75,17 +76,24 @@ class TPStateLayout:
             wrapper).
         optimizer: its optimizer (:class:`~lowband.optim.tp_rekls.TpRekls` or torch AdamW).
         tp_size, dp_size: the mesh; ranks are ``dp * tp_size + tp`` (:func:`lowband.parallel.mesh.build_mesh`).
+        device_mesh: the ``(dp, tp)`` ``DeviceMesh`` the DTensors live on, e.g.
+            ``parallel_mesh.device_mesh(dev)["dp", "tp"]`` (:meth:`lowband.parallel.mesh.ParallelMesh.device_mesh`:
+            the mesh's own groups, what the trainer's ``tp`` strategy passes); ``None``: one is created on first
+            use with ``init_device_mesh`` (new process groups, every rank alike).
 
-    Communication: building the ``DeviceMesh`` once (new process groups, every rank alike); DCP
-    moves the bytes.
+    Communication: none of its own beyond a created ``DeviceMesh``'s groups; DCP moves the bytes.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, tp_size: int, dp_size: int) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, tp_size: int, dp_size: int, *,
+                 device_mesh: Any = None) -> None:
         self.model, self.optimizer = model, optimizer
         self.t, self.dp = tp_size, dp_size
         self.params = dict(model.named_parameters())
         self.names = {id(p): n for n, p in self.params.items()}
-        self._mesh = None
+        if device_mesh is not None and tuple(device_mesh.shape) != (dp_size, tp_size):
+            raise ValueError(f"TPStateLayout: device_mesh has shape {tuple(device_mesh.shape)}; expected (dp, tp) = "
+                             f"({dp_size}, {tp_size})")
+        self._mesh = device_mesh
         self._perm: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------------------------ helpers

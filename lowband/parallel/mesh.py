@@ -18,8 +18,9 @@ All validation is arithmetic on the sizes and happens before the first group is 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -158,6 +159,7 @@ class ParallelMesh:
     dp: Comm
     gtp: Comm
     tp: Comm
+    _device_meshes: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def lane(self) -> int:
@@ -169,16 +171,26 @@ class ParallelMesh:
             raise ValueError(f"mesh: axis {axis!r} not in {AXES}")
         return getattr(self, axis)
 
-    def device_mesh(self, device_type: str = "cpu"):
-        """A ``torch.distributed.DeviceMesh`` of the same layout, dims named ``replica, dp, gtp, tp``.
+    def device_mesh(self, device_type: str = "cpu") -> Any:
+        """The ``torch.distributed.DeviceMesh`` of this mesh, dims named ``replica, dp, gtp, tp``: the one
+        every DCP layout on this mesh uses (slice it by name, e.g. ``["dp", "tp"]``), built once per device
+        type over the axes' own process groups (``DeviceMesh.from_group``).
 
-        Collective: every rank must call it (DeviceMesh creates its own groups, in its own order).
+        Communication: none, and no new process group (torch's ``init_device_mesh`` would create a group per
+        slice of every dimension, on every rank). Needs ``torch.distributed`` initialized.
         """
-        import torch
-        from torch.distributed.device_mesh import DeviceMesh
+        if device_type not in self._device_meshes:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError("mesh.device_mesh: torch.distributed is not initialized (a DeviceMesh needs a "
+                                   "process group; a one-process layout needs none)")
+            import torch
+            from torch.distributed.device_mesh import DeviceMesh
 
-        layout = torch.arange(self.shape.world_size).view(*self.shape.sizes)
-        return DeviceMesh(device_type, layout, mesh_dim_names=AXES)
+            layout = torch.arange(self.shape.world_size).view(*self.shape.sizes)
+            groups = [self.comm(axis).group for axis in AXES]
+            self._device_meshes[device_type] = DeviceMesh.from_group(groups, device_type, mesh=layout,
+                                                                     mesh_dim_names=AXES)
+        return self._device_meshes[device_type]
 
 
 def build_mesh(*, replica: int = 1, dp: int | None = None, gtp: int = 1, tp: int = 1,

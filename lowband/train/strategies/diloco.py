@@ -20,8 +20,8 @@ gradients are averaged over ``mesh.dp``, GTP shards over ``mesh.gtp``):
 The inner strategy is asked only through :class:`~lowband.train.strategies.base.Strategy`'s DiLoCo-inner hooks
 (``diloco_inner``, ``inner_gtp_size``, ``validate_inner``, ``check_inner_model``, ``prepare_inner``,
 ``setup_on_mesh``, ``inner_checkpoint``, ``inner_format``, ``sparse_rows``, ``ft_agreed_sections``): this module
-has no branch on its name. This strategy delegates ``microbatch``, ``clip_grad_norm``, ``optimizer_step``, ``skip_step``,
-``observe_batch``, ``prepare_resume``, ``unwrapped`` and ``param_shapes`` to the inner strategy.
+has no branch on its name. This strategy delegates ``microbatch``, ``clip_grad_norm``, ``optimizer_step``,
+``skip_step``, ``observe_batch``, ``prepare_resume``, ``unwrapped`` and ``param_shapes`` to the inner strategy.
 
 Across replicas: :class:`lowband.diloco.StreamingDiLoCo` on the ``replica`` group (the ranks with the
 same ``(dp, gtp)`` coordinates in every replica), driven by the inner optimizer's step post-hook: one
@@ -260,6 +260,9 @@ class DilocoStrategy(Strategy):
             self.diloco.add_attempt_callback(lambda _d, _i, ok: self._count_attempt(ok))
         if shards.weights:  # GTP inside: DiLoCo's per-parameter state is saved in logical (whole) shapes
             self.diloco.state_layout = shards
+        if self.env.world_size > 1:  # residual rows as DTensors (logical state): on the mesh's own DeviceMesh
+            dev = self.env.device.type
+            self.diloco.dcp_meshes[(dev, replicas, world // replicas)] = self.mesh.device_mesh(dev)
 
     def _ft_membership(self, inner: Strategy) -> Any:
         """This launch as one replica group of a fault-tolerant run: its torchft Manager (healing state: the

@@ -124,7 +124,9 @@ class TPStrategy(Strategy):
         from lowband.optim.tp_state import TPStateLayout
 
         if getattr(self, "_ckpt", None) is None:
-            self._ckpt = TPStateLayout(self.model.module, self.optimizer, self.mesh.tp.size, self.mesh.dp.size)
+            dm = self.mesh.device_mesh(self.env.device.type)["dp", "tp"] if self.env.world_size > 1 else None
+            self._ckpt = TPStateLayout(self.model.module, self.optimizer, self.mesh.tp.size, self.mesh.dp.size,
+                                       device_mesh=dm)
         return self._ckpt
 
     def checkpoint_format(self) -> str | None:
