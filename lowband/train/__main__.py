@@ -149,6 +149,8 @@ def _rank_main(config_path: str | None, overrides: list[str], debug: bool) -> in
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
+            global _RAN_COLLECTIVES
+            _RAN_COLLECTIVES = True
             try:
                 dist.destroy_process_group()
             except Exception:
@@ -193,5 +195,28 @@ def _train_rank(cfg: Config, launched: bool, locks: list) -> errors.Outcome:
     return errors.Outcome(errors.EXIT_OK, "ok", "")
 
 
+_RAN_COLLECTIVES = False
+"""Set by :func:`_rank_main` when this process had a process group: it then leaves through :func:`_exit`."""
+
+
+def _exit(code: int) -> None:
+    """A rank process that had a process group leaves with ``code`` after Python's own exit work (``atexit``
+    handlers: logging, lowband's exchange drain, torch's compile workers; buffered streams flushed) but without
+    the interpreter's finalization: a gloo object still referenced there (an async work of a collective a
+    failed step left, a group's worker thread) can abort the process in its C++ destructor (``terminate called
+    without an active exception``, SIGABRT): an extra stderr line and, under torchrun, a crashed rank after a
+    clean exit (seen once under heavy load, a rank refused a checkpoint at resume). Every file the run writes
+    is closed before this point."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _code = main()
+    if _RAN_COLLECTIVES:
+        _exit(_code)
+    sys.exit(_code)
