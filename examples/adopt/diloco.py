@@ -18,7 +18,7 @@ def main(steps: int = 8, dtype: torch.dtype = torch.float32) -> dict:
     model = seeded_model(1337, rank, dtype=dtype)  # torch.manual_seed(1337 + rank): ranks differ
     mesh = replica_mesh(num_replicas=dist.get_world_size())  # one replica per rank (no DDP inside)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    diloco = StreamingDiLoCo(model, opt, comm=mesh.cross, sync_every=4, fragments=2,
+    diloco = StreamingDiLoCo(model, opt, comm=mesh.replica, sync_every=4, fragments=2,
                              plan=outside_plan(model))  # init_sync: rank 0's weights
     losses = []
     for step in range(steps):

@@ -5,14 +5,14 @@ failing or timed-out collective raises (process-group timeout) instead of being 
 
 :func:`replica_mesh` builds the replica x dp mesh for a world of ``num_replicas * dp`` ranks, laid
 out replica-major (``rank = replica * dp + dp_rank``): the ``dp`` group of a rank is the ranks of its
-replica (inner data parallelism: DDP or the sharded optimizer), its ``cross`` group is the ranks with
-the same dp rank in every replica (DiLoCo's outer all-reduce). Within a replica every dp rank holds
+replica (inner data parallelism: DDP or the sharded optimizer), its ``replica`` group is the ranks with
+the same dp rank in every replica (DiLoCo's outer all-reduce). It is lowband's one mesh class,
+:class:`~lowband.parallel.mesh.ParallelMesh`, with ``gtp = tp = 1``. Within a replica every dp rank holds
 the same weights, so each cross group syncs the whole fragment, as torchft does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -61,44 +61,13 @@ class StaticMembership:
         return True
 
 
-@dataclass
-class ReplicaMesh:
-    """This rank's place in the replica x dp mesh: a view of a :class:`lowband.parallel.mesh.ParallelMesh`.
-
-    lowband has one mesh class, ``ParallelMesh`` (``replica x dp x gtp x tp``); DiLoCo uses it with
-    ``gtp = tp = 1`` and this view keeps DiLoCo's names for the same groups.
-
-    Attributes:
-        replica: index of this rank's replica group (``mesh.coords.replica``).
-        dp_rank: this rank's rank inside its replica (``mesh.coords.dp``).
-        num_replicas: number of replica groups (``mesh.shape.replica``).
-        dp_size: ranks per replica (``mesh.shape.dp``).
-        dp: Comm over the ranks of this replica (name ``"dp"``; ``mesh.dp``).
-        cross: Comm over the ranks with this dp rank in every replica (name ``"replica"``; ``mesh.replica``).
-        mesh: the underlying ``ParallelMesh`` (``None`` only for a hand-built view).
-    """
-
-    replica: int
-    dp_rank: int
-    num_replicas: int
-    dp_size: int
-    dp: Comm
-    cross: Comm
-    mesh: ParallelMesh | None = None
-
-    @classmethod
-    def from_parallel_mesh(cls, mesh: ParallelMesh) -> ReplicaMesh:
-        """The DiLoCo view of ``mesh`` (raises ``ValueError`` if it has GTP or TP axes)."""
-        if mesh.shape.gtp != 1 or mesh.shape.tp != 1:
-            raise ValueError(f"ReplicaMesh: DiLoCo's mesh is replica x dp; got gtp={mesh.shape.gtp}, "
-                             f"tp={mesh.shape.tp}")
-        return cls(mesh.coords.replica, mesh.coords.dp, mesh.shape.replica, mesh.shape.dp, mesh.dp, mesh.replica,
-                   mesh)
-
-
 def replica_mesh(num_replicas: int, *, ledger: CommLedger | None = None,
-                 timeout: timedelta | None = None) -> ReplicaMesh:
-    """Build the replica x dp groups (collective: every rank must call it alike).
+                 timeout: timedelta | None = None) -> ParallelMesh:
+    """The replica x dp mesh (``gtp = tp = 1``) of a world of ``num_replicas * dp`` ranks, replica-major:
+    :func:`lowband.parallel.mesh.build_mesh` with ``dp`` the rest of the world. DiLoCo syncs over
+    ``mesh.replica`` (the ranks with this dp rank in every replica); ``mesh.dp`` is this replica's group;
+    ``mesh.coords.replica`` / ``mesh.coords.dp`` and ``mesh.shape.replica`` / ``mesh.shape.dp`` are this
+    rank's place and the sizes. Collective: every rank must call it alike.
 
     Raises:
         ValueError: ``num_replicas`` not a positive divisor of the world size (checked before any
@@ -109,5 +78,4 @@ def replica_mesh(num_replicas: int, *, ledger: CommLedger | None = None,
             or world % num_replicas:
         raise ValueError(f"diloco num_replicas={num_replicas!r} must be a positive divisor of the world "
                          f"size {world}")
-    mesh = build_mesh(replica=num_replicas, dp=world // num_replicas, ledger=ledger, timeout=timeout)
-    return ReplicaMesh.from_parallel_mesh(mesh)
+    return build_mesh(replica=num_replicas, dp=world // num_replicas, ledger=ledger, timeout=timeout)

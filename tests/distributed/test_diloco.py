@@ -53,7 +53,7 @@ def _replica_worker(cfg: dict) -> dict:
     ledger = CommLedger()
     if dp > 1:
         mesh = replica_mesh(dist.get_world_size() // dp, ledger=ledger)
-        cross, dp_comm, replica, dp_rank = mesh.cross, mesh.dp, mesh.replica, mesh.dp_rank
+        cross, dp_comm, replica, dp_rank = mesh.replica, mesh.dp, mesh.coords.replica, mesh.coords.dp
     else:
         cross, dp_comm, replica, dp_rank = Comm(name="replica", ledger=ledger), None, dist.get_rank(), 0
     if cfg.get("perturb_init"):  # replicas start different; init_sync makes them equal

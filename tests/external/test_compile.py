@@ -103,7 +103,7 @@ def _build(component: str, cfg: OutsideConfig):
     elif component == "diloco":
         mesh = replica_mesh(dist.get_world_size())
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-        opt.diloco = StreamingDiLoCo(model, opt, comm=mesh.cross, plan=outside_plan(model), sync_every=2,
+        opt.diloco = StreamingDiLoCo(model, opt, comm=mesh.replica, plan=outside_plan(model), sync_every=2,
                                      fragments=2, delay=0, wire="fp32",
                                      outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9))
     else:

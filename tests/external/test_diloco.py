@@ -50,7 +50,7 @@ def _setup(replicas: int):
         for p in model.parameters():
             mesh.dp.broadcast(p.data, src=0, tag="user-init")
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    dl = StreamingDiLoCo(model, opt, comm=mesh.cross, outer_optimizer=_outer, plan=outside_plan(model), **KW)
+    dl = StreamingDiLoCo(model, opt, comm=mesh.replica, outer_optimizer=_outer, plan=outside_plan(model), **KW)
     return mesh, model, opt, dl
 
 
@@ -66,7 +66,7 @@ def _train_worker(replicas: int, steps: int, save_at: int | None = None, ckpt: s
     for step in range(steps):
         _step(model, opt, step, dist.get_rank(), mesh.dp)
         if save_at is not None and step + 1 == save_at:
-            ck = DilocoCheckpoint(model, opt, dl, mesh.num_replicas, mesh.dp_size, mesh.replica)
+            ck = DilocoCheckpoint(model, opt, dl, mesh.shape.replica, mesh.shape.dp, mesh.coords.replica)
             dcp.save(ck.state_dict(), checkpoint_id=ckpt)
     out = _snapshot(model, dl)
     dl.close()
@@ -75,7 +75,7 @@ def _train_worker(replicas: int, steps: int, save_at: int | None = None, ckpt: s
 
 def _resume_worker(replicas: int, start: int, steps: int, ckpt: str) -> dict:
     mesh, model, opt, dl = _setup(replicas)  # fresh weights (other seeds), then the checkpoint
-    ck = DilocoCheckpoint(model, opt, dl, mesh.num_replicas, mesh.dp_size, mesh.replica)
+    ck = DilocoCheckpoint(model, opt, dl, mesh.shape.replica, mesh.shape.dp, mesh.coords.replica)
     sd = ck.state_dict()
     dcp.load(sd, checkpoint_id=ckpt)
     ck.load_state_dict(sd)
@@ -198,7 +198,7 @@ def _verify_worker(same_seed: bool) -> str:
     model = seeded_model(SEED, 0 if same_seed else dist.get_rank(), dtype=DT)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     try:
-        dl = StreamingDiLoCo(model, opt, comm=replica_mesh(dist.get_world_size()).cross, init_sync="verify",
+        dl = StreamingDiLoCo(model, opt, comm=replica_mesh(dist.get_world_size()).replica, init_sync="verify",
                              plan=outside_plan(model), **KW)
     except ValueError as e:
         return str(e)

@@ -81,7 +81,7 @@ def _worker(steps: int, cfg: dict | None = None) -> dict:
         opt = _inner(model.parameters())
     elif cfg["inner"] == "sharded":  # ZeRO-style AdamW over the replica's dp ranks (inits its replica alike)
         mesh = replica_mesh(world // dp)
-        cross = mesh.cross
+        cross = mesh.replica
         opt = ShardedAdamW(model.parameters(), lr=LR, weight_decay=0.1, comm=mesh.dp, module=model,
                            bucket_mb=1e-3)
     else:  # GTP over the replica's ranks (dp 1 inside); lane0 runs on one rank only: kept replicated

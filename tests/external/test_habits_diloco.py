@@ -53,7 +53,7 @@ def _diloco_run(habit: str, inner: str = "sharded") -> dict:
         opt = ShardedAdamW(model.parameters(), lr=LR, weight_decay=WD, comm=mesh.dp, module=model)
     else:  # one rank per replica, torch's fused AdamW
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)
-    dl = StreamingDiLoCo(model, opt, comm=mesh.cross, plan=outside_plan(model), sync_every=2, fragments=2,
+    dl = StreamingDiLoCo(model, opt, comm=mesh.replica, plan=outside_plan(model), sync_every=2, fragments=2,
                          delay=0, wire="fp32", outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9))
     scaler = torch.amp.GradScaler("cpu")
     out: dict = {"replica": rank // mesh.dp.size}

@@ -71,17 +71,11 @@ def test_build_mesh_single_process():
         build_mesh(gtp=2)
 
 
-def test_replica_mesh_is_a_view_of_the_one_parallel_mesh() -> None:
-    """DiLoCo's ReplicaMesh is built from ParallelMesh (one mesh class): same groups, DiLoCo's names."""
-    from lowband.diloco import ReplicaMesh, replica_mesh
+def test_replica_mesh_is_the_one_parallel_mesh() -> None:
+    """DiLoCo's replica_mesh is a ParallelMesh (one mesh class) with gtp = tp = 1."""
+    from lowband.diloco import replica_mesh
     from lowband.parallel.mesh import ParallelMesh
 
-    rm = replica_mesh(1)
-    assert isinstance(rm, ReplicaMesh) and isinstance(rm.mesh, ParallelMesh)
-    assert rm.mesh.shape.sizes == (1, 1, 1, 1)
-    assert rm.cross is rm.mesh.replica and rm.dp is rm.mesh.dp
-    assert (rm.replica, rm.dp_rank, rm.num_replicas, rm.dp_size) == (0, 0, 1, 1)
-    assert (rm.cross.name, rm.dp.name) == ("replica", "dp")
-    with pytest.raises(ValueError, match="replica x dp; got gtp=2"):
-        ReplicaMesh.from_parallel_mesh(ParallelMesh(MeshShape(gtp=2), 0, MeshCoords(0, 0, 0, 0), rm.cross, rm.dp,
-                                                    rm.dp, rm.dp))
+    m = replica_mesh(1)
+    assert isinstance(m, ParallelMesh) and m.shape.sizes == (1, 1, 1, 1)
+    assert (m.coords.replica, m.coords.dp) == (0, 0) and (m.replica.name, m.dp.name) == ("replica", "dp")
