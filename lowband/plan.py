@@ -64,7 +64,7 @@ class SparseTableSpec:
         name: short name used in configs, logs and ledger tags (``"tok_emb"``, ``"bigram"``).
         param: the table's parameter path, e.g. ``"tok_emb.weight"``.
         hash: how rows follow from input token ids: ``"none"`` (row = token id) or ``"bigram"``
-            (:func:`lowband.comm.sparse.bigram_hash_np` of consecutive tokens).
+            (:func:`lowband.model.bigram.bigram_hash_np` of consecutive tokens).
     """
 
     name: str

@@ -13,9 +13,9 @@ gradient gives.
 Per step (``N`` ranks, ``U_r`` = unique rows touched on rank ``r``):
 
 1. **Host, before/while forward.** :class:`RowTracker` collects the rows the step's microbatches
-   touch straight from the input tokens (token ids, or :func:`lowband.comm.bigram_hash.bigram_hash_np` for
-   the hashed bigram table), as a ``np.unique`` union over microbatches. Out-of-range token ids are
-   recorded, not raised (see *Bad input*).
+   touch straight from the input tokens (token ids, or the table's rows function of them, e.g.
+   :func:`lowband.model.bigram.bigram_hash_np` for the hashed bigram table), as a ``np.unique`` union
+   over microbatches. Out-of-range token ids are recorded, not raised (see *Bad input*).
 2. **Counts (one tiny collective).** :meth:`SparseRowExchange.plan` all-gathers one int64 row per rank:
    ``[count to owner 0 .. count to owner N-1, touched, bad_lo, bad_hi, bad_flag]`` (``N + 4`` values,
    tag ``sparse:<table>:counts``). An all-gather rather than the speedrun's all-to-all of ``N`` counts:
@@ -60,18 +60,19 @@ and before any row or dense collective, so no rank is left hanging.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 
-from lowband.comm.bigram_hash import bigram_hash_np
 from lowband.comm.comm import Comm, true_div_
 from lowband.comm.ledger import ring_wire_bytes
 
 MODES = ("auto", "sparse", "dense")
-HASHES = ("none", "bigram")
+RowsFn = Callable[[np.ndarray, int], np.ndarray]
+"""``rows_fn(tokens, rows)``: the table rows an integer array of token ids ``(..., T)`` touches (int64, any
+shape); e.g. :func:`lowband.model.bigram.bigram_hash_np`."""
 REDUCE_OPS = ("sum", "avg")
 _WIRE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -103,28 +104,29 @@ class RowTracker:
     Args:
         table: the table's name (used in error messages and ledger tags), e.g. ``"bigram"``.
         rows: table height.
-        hash: ``"none"`` (rows are the token ids themselves, an ordinary token embedding) or ``"bigram"`` (rows
-            are :func:`lowband.comm.bigram_hash.bigram_hash_np` of the tokens along the last dimension).
-        vocab_size: valid token ids are ``[0, vocab_size)``; defaults to ``rows`` for ``hash="none"``;
-            for ``"bigram"`` ``None`` means any id (the hash maps every int64 into range).
+        rows_fn: ``None`` (rows are the token ids themselves, an ordinary token embedding) or the function
+            that maps token ids to rows (:data:`RowsFn`; a hashed bigram table: ``bigram_hash_np``, which
+            hashes along the last dimension). Its rows must lie in ``[0, rows)``.
+        vocab_size: valid token ids are ``[0, vocab_size)``; defaults to ``rows`` without ``rows_fn``; with
+            one ``None`` means any id (a hash maps every int64 into range).
 
     Out-of-range ids are recorded (:attr:`bad_range`), never raised here: the error must be raised on
     all ranks alike, which :meth:`SparseRowExchange.plan` does after the count collective.
     """
 
-    def __init__(self, table: str, rows: int, *, hash: str = "none", vocab_size: int | None = None) -> None:
+    def __init__(self, table: str, rows: int, *, rows_fn: RowsFn | None = None, vocab_size: int | None = None) -> None:
         if not isinstance(table, str) or not table:
             raise ValueError(f"RowTracker: table must be a non-empty str, got {table!r}")
-        if hash not in HASHES:
-            raise ValueError(f"RowTracker({table!r}): hash={hash!r} is not allowed; allowed: {list(HASHES)}")
+        if rows_fn is not None and not callable(rows_fn):
+            raise TypeError(f"RowTracker({table!r}): rows_fn must be callable or None, got {type(rows_fn).__name__}")
         self.table = table
         self.rows = _check_int(rows, f"RowTracker({table!r}): rows", 1)
-        self.hash = hash
-        if vocab_size is None and hash == "none":
+        self.rows_fn = rows_fn
+        if vocab_size is None and rows_fn is None:
             vocab_size = self.rows
         self.vocab_size = None if vocab_size is None else _check_int(
             vocab_size, f"RowTracker({table!r}): vocab_size", 1)
-        if hash == "none" and self.vocab_size is not None and self.vocab_size > self.rows:
+        if rows_fn is None and self.vocab_size is not None and self.vocab_size > self.rows:
             raise ValueError(f"RowTracker({table!r}): vocab_size {self.vocab_size} exceeds rows {self.rows}")
         self.reset()
 
@@ -155,8 +157,8 @@ class RowTracker:
             self.bad_range = (blo, bhi) if self.bad_range is None else (
                 min(self.bad_range[0], blo), max(self.bad_range[1], bhi))
             return
-        if self.hash == "bigram":
-            idx = bigram_hash_np(arr, self.rows)
+        if self.rows_fn is not None:
+            idx = np.asarray(self.rows_fn(arr, self.rows), dtype=np.int64)
         else:
             idx = arr.astype(np.int64, copy=False)
         self._parts.append(np.unique(idx))

@@ -27,9 +27,15 @@ import numpy as np
 import torch
 
 from lowband.comm import Comm
-from lowband.comm.sparse import HASHES, MODES, RowTracker, SparsePlan, SparseRowExchange, SparseStats
+from lowband.comm.sparse import MODES, RowsFn, RowTracker, SparsePlan, SparseRowExchange, SparseStats
+from lowband.model.bigram import bigram_hash_np
 from lowband.optim.buckets import Member, ParamSpec, UnitLayout
-from lowband.plan import ModelPlan, plan_for, tied_names
+from lowband.plan import SPARSE_HASHES, ModelPlan, plan_for, tied_names
+
+HASHES: dict[str, RowsFn | None] = {"none": None, "bigram": bigram_hash_np}
+"""A sparse table's ``hash`` (:class:`lowband.plan.SparseTableSpec`): the rows function its touched rows
+follow from the tokens with (``None``: row = token id)."""
+assert tuple(HASHES) == SPARSE_HASHES
 
 
 @dataclass
@@ -103,7 +109,7 @@ class SparseTableUnit:
                  wire_dtype: torch.dtype | None) -> None:
         rows, dim = table.param.shape
         self.table = table
-        self.tracker = RowTracker(table.name, rows, hash=table.hash, vocab_size=table.vocab_size)
+        self.tracker = RowTracker(table.name, rows, rows_fn=HASHES[table.hash], vocab_size=table.vocab_size)
         self.exchange = SparseRowExchange(table.name, rows, dim, comm, count_comm=count_comm, mode=mode,
                                           wire_dtype=wire_dtype)
         self.plan_: SparsePlan | None = None
@@ -188,7 +194,7 @@ def sparse_table_for(model: torch.nn.Module, param_name: str, *, name: str | Non
         param_name: the parameter's path as ``model.named_parameters()`` prints it, e.g.
             ``"transformer.wte.weight"``.
         name: short table name for tags and errors (default: ``param_name``).
-        hash: ``"none"`` (row = token id) or ``"bigram"`` (:func:`lowband.comm.bigram_hash.bigram_hash_np`).
+        hash: ``"none"`` (row = token id) or ``"bigram"`` (:func:`lowband.model.bigram.bigram_hash_np`).
         vocab_size: valid token ids (``None``: the table's rows for ``"none"``).
 
     Raises:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from lowband.comm import Comm, CommLedger
 from lowband.comm.sparse import RowTracker, SparseRowExchange, dense_reference
-from lowband.model.bigram import bigram_hash
+from lowband.model.bigram import bigram_hash, bigram_hash_np
 
 V, D = 13, 3  # 13 rows: padded to 14 on 2 ranks, 16 on 4 ranks
 
@@ -51,7 +51,7 @@ def _owner_slice_matches_dense(dtype_name: str, scenario: str, hashed: bool) -> 
     rank, n = dist.get_rank(), dist.get_world_size()
     ledger = CommLedger()
     comm = Comm(name="world", ledger=ledger)
-    tracker = RowTracker("bigram" if hashed else "tok", V, hash="bigram" if hashed else "none",
+    tracker = RowTracker("bigram" if hashed else "tok", V, rows_fn=bigram_hash_np if hashed else None,
                          vocab_size=V)
     grad = _local_grad(rank, scenario, n, dtype, hashed, tracker)
     rows, bad = tracker.take()

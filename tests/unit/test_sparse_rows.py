@@ -37,7 +37,7 @@ def test_tracker_union_over_microbatches_token_ids():
 
 def test_tracker_bigram_hash_matches_model_hash():
     tok = np.array([[5, 7, 5, 7, 300], [1, 2, 3, 4, 5]])
-    t = RowTracker("bigram", 1000, hash="bigram", vocab_size=320)
+    t = RowTracker("bigram", 1000, rows_fn=bigram_hash_np, vocab_size=320)
     t.add(tok[:1])
     t.add(tok[1:])
     rows, bad = t.take()
@@ -53,14 +53,14 @@ def test_tracker_records_bad_range_instead_of_raising():
     t.add(np.array([[320]]))
     _rows, bad = t.take()
     assert bad == (-1, 400)
-    tb = RowTracker("bigram", 100, hash="bigram", vocab_size=50)
+    tb = RowTracker("bigram", 100, rows_fn=bigram_hash_np, vocab_size=50)
     tb.add(np.array([[1, 60]]))
     assert tb.take()[1] == (60, 60)
 
 
 def test_tracker_bad_arguments():
-    with pytest.raises(ValueError, match="hash='md5' is not allowed"):
-        RowTracker("x", 10, hash="md5")
+    with pytest.raises(TypeError, match="rows_fn must be callable or None, got str"):
+        RowTracker("x", 10, rows_fn="md5")
     with pytest.raises(ValueError, match="rows must be an int >= 1"):
         RowTracker("x", 0)
     with pytest.raises(TypeError, match="tokens must be integers"):
@@ -114,17 +114,21 @@ def test_exchange_bad_arguments():
 
 
 # ------------------------------------------------------------------ tables for any model, from its plan
-def test_comm_does_not_import_model_and_the_hash_is_shared():
+def test_comm_does_not_import_model_and_a_bigram_table_rows_by_the_models_hash():
     import subprocess
     import sys
 
-    code = ("import sys, lowband.comm.sparse, lowband.optim.sparse_rows; "
+    code = ("import sys, lowband.comm.sparse; "
             "bad = [m for m in sys.modules if m.startswith('lowband.model')]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
-    import lowband.comm.bigram_hash as neutral
     import lowband.model as model_pkg
+    from lowband.optim.sparse_rows import HASHES, SparseTable, SparseTableUnit
 
-    assert model_pkg.bigram_hash_np is neutral.bigram_hash_np and model_pkg.bigram_hash is neutral.bigram_hash
+    assert HASHES == {"none": None, "bigram": model_pkg.bigram_hash_np}
+    table = SparseTable("bigram", torch.zeros(7, 2), hash="bigram")
+    unit = SparseTableUnit(table, Comm(None), count_comm=None, mode="auto", wire_dtype=None)
+    unit.observe(np.array([[3, 5, 6]]))
+    assert unit.tracker.take()[0].tolist() == sorted(set(bigram_hash_np(np.array([[3, 5, 6]]), 7).ravel().tolist()))
 
 
 def test_sparse_tables_from_plan_and_by_path():
