@@ -92,6 +92,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -581,16 +582,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     # ------------------------------------------------------------------------- hooks and launch
+    # The hooks hold the optimizer weakly: a parameter's post-accumulate-grad hook lives where Python's cyclic
+    # collector cannot see it, so a strong reference there would keep an optimizer nobody uses alive for the
+    # life of the process (with its private process groups and their gloo threads). A hook whose optimizer is
+    # gone does nothing.
     def _make_grad_hook(self, ui: int, mi: int):
+        ref = weakref.ref(self)
+
         def hook(p: torch.Tensor) -> None:
-            if not self.require_backward_grad_sync:
+            opt = ref()
+            if opt is None or not opt.require_backward_grad_sync:
                 return
-            self._on_grad_ready(ui, mi, p)
+            opt._on_grad_ready(ui, mi, p)
         return hook
 
     def _make_forward_hook(self, uis: list[int]):
+        ref = weakref.ref(self)
+
         def hook(_module: nn.Module, _args: Any) -> None:
-            self._wait_gathers(uis)
+            opt = ref()
+            if opt is not None:
+                opt._wait_gathers(uis)
         return hook
 
     @contextlib.contextmanager

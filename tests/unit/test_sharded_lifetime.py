@@ -1,0 +1,59 @@
+"""A ShardedOptimizer nobody references any more is freed, with the process groups it made.
+
+Its per-parameter post-accumulate-grad hooks live where Python's cyclic collector cannot see them; when they
+held the optimizer strongly, an optimizer dropped by its user stayed alive for the life of the process, and
+so did its private process groups with gloo's threads (a pooled test rank reached ~700 threads and the
+machine a load average in the hundreds).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from lowband.optim import ShardedOptimizer
+from lowband.testing import run_ranks
+
+
+def _step_and_drop() -> tuple[bool, bool]:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    opt = ShardedOptimizer(model.parameters(), lr=0.1, module=model)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    opt.wait_for_params()
+    opt_ref, comm_ref = weakref.ref(opt), weakref.ref(opt.comm)
+    del opt
+    gc.collect()
+    # the model keeps its parameters (and their now inert hooks); a later backward does nothing sharded
+    model(torch.randn(2, 8)).sum().backward()
+    return opt_ref() is None, comm_ref() is None
+
+
+def test_a_dropped_sharded_optimizer_is_collected() -> None:
+    assert _step_and_drop() == (True, True)
+
+
+def _gloo_threads_after_a_dropped_optimizer() -> int:
+    _step_and_drop()
+    gc.collect()
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    assert dist.is_initialized()
+    return sum(n.startswith(("gloo", "pt_gloo")) for n in names)
+
+
+def test_process_groups_of_dropped_optimizers_do_not_accumulate() -> None:
+    """Four calls on the same pooled ranks: from the second on, the gloo threads alive at the end of a call are
+    the same number (the call's own groups, and at most what the previous call's teardown still holds), not
+    growing by the dropped optimizers' private groups (before the fix: 9, 18, 24, ... threads per rank)."""
+    counts = [run_ranks(_gloo_threads_after_a_dropped_optimizer, 2) for _ in range(4)]
+    assert counts[1] == counts[2] == counts[3], counts
