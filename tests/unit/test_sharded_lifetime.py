@@ -52,11 +52,11 @@ def _gloo_threads_after_a_dropped_optimizer() -> int:
 
 
 def test_process_groups_of_dropped_optimizers_do_not_accumulate() -> None:
-    """Four calls on the same pooled ranks: from the second on, the gloo threads alive at the end of a call are
-    the same number (the call's own groups, and at most what the previous call's teardown still holds), not
-    growing by the dropped optimizers' private groups (before the fix: 9, 18, 24, ... threads per rank)."""
-    counts = [run_ranks(_gloo_threads_after_a_dropped_optimizer, 2) for _ in range(4)]
-    assert counts[1] == counts[2] == counts[3], counts
+    """Four calls on the same pooled ranks: from the second on, the gloo threads alive at the end of a call never
+    grow (before the fix they grew by the dropped optimizers' private groups: 9, 18, 24, ... per rank on a fresh
+    pool). A pool that earlier tests used starts higher and may shrink as its leftovers are freed."""
+    counts = [run_ranks(_gloo_threads_after_a_dropped_optimizer, 2)[0] for _ in range(4)]
+    assert counts[1] >= counts[2] >= counts[3], counts
 
 
 def _private_comm_threads() -> int:
