@@ -97,10 +97,18 @@ def _free_dead_groups() -> None:
     collection, which a test's small allocations rarely trigger: a pooled rank gathered hundreds of groups
     over a suite. A full collection (0.2 s) runs only when this process holds more than
     :data:`GLOO_THREAD_LIMIT` gloo threads (Linux: ``/proc/self/task``; elsewhere never)."""
+    gloo = gloo_threads()
+    if gloo is not None and gloo > GLOO_THREAD_LIMIT:
+        gc.collect()
+
+
+def gloo_threads() -> int | None:
+    """Threads of this process that gloo runs (``gloo_tcp_loop``, ``pt_gloo_runloop``: a few per live process
+    group), read from ``/proc/self/task``; ``None`` where that does not exist."""
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
-        return
+        return None
     gloo = 0
     for t in tasks:
         try:
@@ -108,8 +116,7 @@ def _free_dead_groups() -> None:
                 gloo += f.read().startswith(("gloo", "pt_gloo"))
         except OSError:  # the thread ended meanwhile
             pass
-    if gloo > GLOO_THREAD_LIMIT:
-        gc.collect()
+    return gloo
 
 
 class _Pool:

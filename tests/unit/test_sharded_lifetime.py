@@ -9,7 +9,6 @@ machine a load average in the hundreds).
 from __future__ import annotations
 
 import gc
-import os
 import weakref
 
 import torch
@@ -17,6 +16,7 @@ import torch.distributed as dist
 
 from lowband.optim import ShardedOptimizer
 from lowband.testing import run_ranks
+from lowband.testing.multirank import gloo_threads
 
 
 def _step_and_drop() -> tuple[bool, bool]:
@@ -40,15 +40,10 @@ def test_a_dropped_sharded_optimizer_is_collected() -> None:
 def _gloo_threads_after_a_dropped_optimizer() -> int:
     _step_and_drop()
     gc.collect()
-    names = []
-    for t in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{t}/comm") as f:
-                names.append(f.read().strip())
-        except OSError:  # the thread ended meanwhile
-            pass
     assert dist.is_initialized()
-    return sum(n.startswith(("gloo", "pt_gloo")) for n in names)
+    count = gloo_threads()
+    assert count is not None, "needs /proc/self/task (Linux)"
+    return count
 
 
 def test_process_groups_of_dropped_optimizers_do_not_accumulate() -> None:
@@ -63,14 +58,9 @@ def _private_comm_threads() -> int:
     from lowband.comm import Comm
 
     Comm().private("sharded").all_reduce(torch.ones(2), "sum")  # a Comm <-> private Comm cycle, left behind
-    names = []
-    for t in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{t}/comm") as f:
-                names.append(f.read().strip())
-        except OSError:
-            pass
-    return sum(n.startswith(("gloo", "pt_gloo")) for n in names)
+    count = gloo_threads()
+    assert count is not None, "needs /proc/self/task (Linux)"
+    return count
 
 
 def test_pooled_ranks_free_groups_left_in_cycles() -> None:
