@@ -10,7 +10,7 @@ What is compared, over the ranks of ``comm`` that share a ``replica`` id (ranks 
 e.g. DiLoCo replicas between syncs, are never compared with each other):
 
 * a replicated tensor (a plain parameter or buffer): its bits, on every rank;
-* a shard (a GTP row shard, ``p.gtp``; a TP slice, ``p.partition_dim`` / ``p.tp_comm``; both; a
+* a shard (a parameter with a :class:`~lowband.sharding.Placement`: a GTP row shard, a TP slice, both; a
   sharded ``DTensor``): its layout (shard group size, full / padded shape, partition dim, placements)
   on every rank, its bits only among the ranks that hold the same shard (the same shard index: the
   data-parallel replicas of that shard). ``comm`` may thus be the whole world of a ``dp x gtp x tp``
@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from lowband.comm import Comm
+from lowband.sharding import placement_of
 
 TAG = "replica_check"
 _HEADER = 2
@@ -108,15 +109,10 @@ def _layout(t: torch.Tensor) -> tuple[tuple, int]:
         return layout, (size << 32 | index) if dims else _REPLICATED
     parts: list[tuple] = []
     index, size = 0, 1
-    gw = getattr(t, "gtp", None)
-    if gw is not None:
-        rt = gw.runtime
-        parts.append(("gtp", rt.size, gw.out_features, gw.in_features, gw.padded_out))
-        index, size = index * rt.size + rt.rank, size * rt.size
-    if getattr(t, "partition_dim", None) is not None:
-        tp = t.tp_comm
-        parts.append(("tp", tp.size, t.partition_dim, tuple(getattr(t, "full_shape", ()))))
-        index, size = index * tp.size + tp.rank, size * tp.size
+    pl = placement_of(t)
+    for cut in pl.splits if pl is not None else ():
+        parts.append((cut.axis, cut.size, cut.dim, cut.sections, cut.pad, pl.shape))
+        index, size = index * cut.size + cut.rank, size * cut.size
     return tuple(parts), (size << 32 | index) if parts else _REPLICATED
 
 

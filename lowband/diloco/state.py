@@ -74,6 +74,7 @@ state is gathered or broadcast at save or load; DCP reshards inside a replica (d
 from __future__ import annotations
 
 import io
+import math
 import pickle
 from typing import TYPE_CHECKING, Any
 
@@ -84,7 +85,8 @@ from torch import nn
 from lowband.dcp_chunks import LocalChunks, lift_chunks, lower_chunks, whole_or_chunks
 from lowband.optim.sharded_state import group_hyperparams
 from lowband.parallel.gtp import GTPWeight, is_gtp_param
-from lowband.parallel.gtp_state import gather_logical, local_rows, shard_of_logical, shard_of_saved
+from lowband.parallel.gtp_state import gather_logical
+from lowband.sharding import Placement, from_state, placement_of, to_state
 
 if TYPE_CHECKING:
     from lowband.diloco.streaming import StreamingDiLoCo
@@ -111,6 +113,7 @@ class GTPShardLayout:
 
     def __init__(self, model: nn.Module) -> None:
         self.weights: dict[str, GTPWeight] = {n: p.gtp for n, p in model.named_parameters() if is_gtp_param(p)}
+        self.placements: dict[str, Placement] = {n: placement_of(gw.param) for n, gw in self.weights.items()}
 
     def to_logical(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """The whole (unpadded) tensor of which ``local`` is this rank's shard (collective over the GTP group)."""
@@ -119,26 +122,26 @@ class GTPShardLayout:
 
     def to_local(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's padded row shard of the logical ``full`` (``ValueError`` on a wrong shape)."""
-        gw = self.weights.get(name)
-        return full if gw is None else shard_of_logical(gw, full, f"diloco checkpoint: {name}")
+        pl = self.placements.get(name)
+        return full if pl is None else from_state(pl, full, what=f"diloco checkpoint: {name}")
 
     def to_chunks(self, name: str, local: torch.Tensor) -> Any:
         """``local`` (this rank's padded shard of ``name``, or a tensor of its shape) as a ``LocalChunks`` of
         the logical shape holding its real rows, views of ``local`` (no copy, no communication); a
         parameter that is not a GTP shard: ``local`` itself."""
-        gw = self.weights.get(name)
-        return local if gw is None else local_rows(gw, local)
+        pl = self.placements.get(name)
+        return local if pl is None else to_state(pl, local, what=f"diloco state {name}")
 
     def from_saved(self, name: str, saved: torch.Tensor) -> torch.Tensor:
         """This rank's padded shard (pad rows zero) from a :meth:`to_chunks` template filled by ``dcp.load``
         or from a whole logical tensor (``ValueError`` naming ``name`` when it fits neither); no
         communication. A parameter that is not a GTP shard: ``saved`` itself."""
-        gw = self.weights.get(name)
-        return saved if gw is None else shard_of_saved(gw, saved, f"diloco checkpoint: {name}")
+        pl = self.placements.get(name)
+        return saved if pl is None else from_state(pl, saved, what=f"diloco checkpoint: {name}")
 
     def logical_numel(self, name: str, local: torch.Tensor) -> int:
-        gw = self.weights.get(name)
-        return local.numel() if gw is None else gw.out_features * gw.in_features
+        pl = self.placements.get(name)
+        return local.numel() if pl is None else math.prod(pl.shape)
 
 
 # ------------------------------------------------------------------------------ per-replica rows

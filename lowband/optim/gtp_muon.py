@@ -77,6 +77,7 @@ from lowband.comm import Comm, CommHandle
 from lowband.optim.adamw import adamw_update_, validate_adamw_hparams
 from lowband.optim.buckets import matrix_cost
 from lowband.optim.muon import muon_apply_, muon_direction_, muon_shape_scale, muon_update_, validate_muon_hparams
+from lowband.sharding import placement_of
 
 ALGORITHMS = ("muon", "adamw")
 GRAD_TAG = "gtp:muon:a2a:grad"
@@ -245,31 +246,33 @@ class GTPMuon(torch.optim.Optimizer):
                                   g["ns_steps"], g["ns_dtype"], where)
             for p in g["params"]:
                 self._check_muon_param(p, where)
-                gw = getattr(p, "gtp", None)
-                if gw is not None:
+                pl = placement_of(p)
+                if pl is not None and pl.split("gtp") is not None:
                     self._gtp_params.append(p)
-                    specs.append(MatrixSpec(gw.out_features, gw.in_features, gw.shard_rows, gi, p.dtype))
+                    (rows, cols), (shard_rows, _) = pl.shape, pl.local_shape()
+                    specs.append(MatrixSpec(rows, cols, shard_rows, gi, p.dtype))
         self.specs = specs
         self.buckets = plan_gtp_muon(specs, comm.size, max(1, int(bucket_mb * 2**20)))
         self._stacks: list[list[_Stack]] = []
         self._init_state()
 
     def _check_muon_param(self, p: torch.Tensor, where: str) -> None:
-        gw = getattr(p, "gtp", None)
-        name = f" {gw.name!r}" if gw is not None and gw.name else ""
+        pl = placement_of(p)
+        name = f" {pl.name!r}" if pl is not None and pl.name else ""
         if p.dim() != 2:
             raise ValueError(f"{where}: Muon handles 2-D matrices; got a tensor of shape {tuple(p.shape)}")
-        tp = getattr(p, "tp_comm", None)
+        tp = pl.split("tp") if pl is not None else None
         if tp is not None and tp.size > 1:
             raise ValueError(f"{where}: Muon matrix{name} is split over a TP group of {tp.size} ranks "
-                             f"(full shape {getattr(p, 'full_shape', '?')}); Newton-Schulz needs the whole "
+                             f"(full shape {pl.shape}); Newton-Schulz needs the whole "
                              "matrix and GTPMuon routes only over the GTP group. Give TP-split matrices to "
                              "AdamW (algorithm='adamw') or use tp size 1")
-        if gw is not None and (gw.runtime.size != self.comm.size or gw.runtime.rank != self.comm.rank
-                               or gw.runtime.comm.name != self.comm.name):
-            raise ValueError(f"{where}: Muon matrix{name} is a GTP shard of group {gw.runtime.comm.name!r} "
-                             f"(size {gw.runtime.size}, rank {gw.runtime.rank}); GTPMuon routes over "
-                             f"{self.comm.name!r} (size {self.comm.size}, rank {self.comm.rank})")
+        cut = pl.split("gtp") if pl is not None else None
+        if cut is not None and (cut.size != self.comm.size or cut.rank != self.comm.rank
+                                or getattr(cut.group, "name", None) != self.comm.name):
+            raise ValueError(f"{where}: Muon matrix{name} is a GTP shard of group "
+                             f"{getattr(cut.group, 'name', None)!r} (size {cut.size}, rank {cut.rank}); GTPMuon "
+                             f"routes over {self.comm.name!r} (size {self.comm.size}, rank {self.comm.rank})")
 
     # ------------------------------------------------------------------------------ state
     def _init_state(self) -> None:

@@ -40,7 +40,8 @@ from torch import nn
 
 from lowband.dcp_chunks import LocalChunks, box_chunks
 from lowband.optim.gtp_muon import GTPMuon
-from lowband.parallel.gtp_state import GTPStateLayout, gather_logical, local_rows, shard_of_saved
+from lowband.parallel.gtp_state import GTPStateLayout, gather_logical
+from lowband.sharding import from_state, placement_of, to_state
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -69,25 +70,28 @@ class GTPMuonStateLayout:
         for fqn, g, p in self._params():
             st = opt.state[p]
             gw = getattr(p, "gtp", None)
+            pl = placement_of(p)
             if g["algorithm"] == "adamw":
                 optim[f"state.{fqn}.step"] = st["step"].clone()
                 for k in _MOMENTS:
                     if gw is None:
                         optim[f"state.{fqn}.{k}"] = st[k].detach().clone()
+                    elif logical:
+                        optim[f"state.{fqn}.{k}"] = gather_logical(gw, st[k])
                     else:
-                        optim[f"state.{fqn}.{k}"] = gather_logical(gw, st[k]) if logical else local_rows(gw, st[k])
+                        optim[f"state.{fqn}.{k}"] = to_state(pl, st[k], what=f"optim.state.{fqn}.{k}")
             elif opt.is_gtp_muon(p):
                 owner = opt.owner(p)
                 assert owner is not None
                 mine = owner == opt.comm.rank
                 if logical:
                     buf = (st["momentum_buffer"].clone() if mine
-                           else torch.empty(gw.out_features, gw.in_features, dtype=p.dtype, device=p.device))
+                           else torch.empty(pl.shape, dtype=p.dtype, device=p.device))
                     opt.comm.broadcast(buf, src=owner, tag="gtp:state")
                     optim[f"state.{fqn}.momentum_buffer"] = buf
                 else:
                     optim[f"state.{fqn}.momentum_buffer"] = box_chunks(
-                        (gw.out_features, gw.in_features), [((0, 0), st["momentum_buffer"])] if mine else [],
+                        pl.shape, [((0, 0), st["momentum_buffer"])] if mine else [],
                         dtype=p.dtype, device=p.device)
             else:
                 optim[f"state.{fqn}.momentum_buffer"] = st["momentum_buffer"].detach().clone()
@@ -131,14 +135,14 @@ class GTPMuonStateLayout:
 
         for fqn, g, p in self._params():
             st = opt.state[p]
-            gw = getattr(p, "gtp", None)
-            logical = (gw.out_features, gw.in_features) if gw is not None else tuple(p.shape)
+            pl = placement_of(p)
+            logical = pl.shape if pl is not None else tuple(p.shape)
             if g["algorithm"] == "adamw":
                 st["step"].copy_(get(f"state.{fqn}.step"))
                 for k in _MOMENTS:
                     key = f"state.{fqn}.{k}"
                     v = expect(key, get(key), logical)
-                    st[k].copy_(shard_of_saved(gw, v, f"GTP checkpoint: optim.{key}") if gw is not None else v)
+                    st[k].copy_(from_state(pl, v, what=f"GTP checkpoint: optim.{key}") if pl is not None else v)
             else:
                 key = f"state.{fqn}.momentum_buffer"
                 v = expect(key, get(key), logical)

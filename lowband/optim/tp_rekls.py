@@ -8,8 +8,9 @@ the same code, see tests/distributed/test_tp_rekls.py).
 Layout (TP group of size ``T``, this rank ``r``), for a TP-sharded parameter of full shape m x n:
 
 * parameter and gradient: Megatron chunk ``r`` along ``partition_dim`` (0: rows, m/T x n; 1:
-  columns, m x n/T). ``partition_dim`` comes from the parameter attribute set by
-  :mod:`lowband.parallel.tensor` (``param.partition_dim``), or from a param-group key
+  columns, m x n/T). ``partition_dim`` comes from the parameter's ``"tp"`` cut
+  (:func:`lowband.sharding.placement_of`: the placement :mod:`lowband.parallel.tensor` records, or a TP
+  declaration ``param.partition_dim`` / ``param.tp_comm`` on a user's own layer), or from a param-group key
   ``partition_dim`` (0, 1 or None) that overrides it.
 * state ``L`` (m/T x m), ``R`` (n/T x n), ``Q_L`` (m/T x m), ``Q_R`` (n/T x n): rows
   ``[r*d/T, (r+1)*d/T)`` of the dense factor / eigenbasis (1/T of the memory each; both m and n
@@ -73,6 +74,7 @@ from lowband.optim.rekls import (
     shampoo_beta_hat,
     uses_rekls,
 )
+from lowband.sharding import Split, placement_of
 
 PARTITION_DIMS = (0, 1, None)
 
@@ -130,6 +132,11 @@ class _Item:
     k: int = 0
 
 
+def _tp_cut(p: torch.Tensor) -> Split | None:
+    pl = placement_of(p)
+    return pl.split("tp") if pl is not None else None
+
+
 def _param_name(group: dict, gi: int, pi: int) -> str:
     names = group.get("param_names")
     if names is not None and pi < len(names):
@@ -173,9 +180,12 @@ class TpRekls(REKLS):
                                  f"be 0, 1 or None, got {pd!r}")
 
     def _declared(self, group: dict, p: torch.Tensor) -> tuple[Any, bool]:
+        """``(partition_dim, explicit)``: the param group's key overrides the parameter's placement; a TP
+        declaration placement_of cannot read (a bad ``partition_dim``) is returned raw, to be refused."""
         if "partition_dim" in group:
             return group["partition_dim"], True
-        return getattr(p, "partition_dim", None), False
+        cut = _tp_cut(p)
+        return (cut.dim if cut is not None else getattr(p, "partition_dim", None)), False
 
     def _resolve_comm(self, tp_comm: Comm | None) -> Comm:
         if tp_comm is not None:
@@ -189,7 +199,8 @@ class TpRekls(REKLS):
                 pd, _ = self._declared(group, p)
                 if pd is not None:
                     sharded.append(_param_name(group, gi, pi) + f" (shape {tuple(p.shape)})")
-                    c = getattr(p, "tp_comm", None)
+                    cut = _tp_cut(p)
+                    c = cut.group if cut is not None else getattr(p, "tp_comm", None)
                     if c is not None and all(c is not x for x in comms):
                         comms.append(c)
         if len(comms) > 1:
@@ -228,7 +239,8 @@ class TpRekls(REKLS):
                             f"TP-sharded with partition_dim={pd}; only 2-D parameters can be TP-sharded")
         full = list(shape)
         full[pd] *= t
-        declared_full = getattr(p, "full_shape", None)
+        pl = placement_of(p)
+        declared_full = pl.shape if pl is not None and pl.split("tp") is not None else None
         if declared_full is not None and not explicit and tuple(declared_full) != tuple(full):
             raise ValueError(f"TpRekls: parameter {name} (local shape {shape}, partition_dim {pd}): "
                              f"its full_shape {tuple(declared_full)} is not the local shape times the TP "

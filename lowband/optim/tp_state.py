@@ -18,7 +18,7 @@ Layouts (``T`` = TP size, ``E`` = ``n_embd``; mesh ``dp x tp``, TP innermost as 
 
 * column-parallel weights (and their biases) ``Shard(0)`` of the dense shape; row-parallel weights
   ``Shard(1)``; row-parallel biases replicated.
-* a column-parallel linear of ``S > 1`` sections (``param.tp_sections``, set by
+* a column-parallel linear of ``S > 1`` sections (the ``sections`` of its placement's ``"tp"`` cut, set by
   :func:`~lowband.parallel.tp_shard.shard_tp` from the plan; a fused ``[q; k; v]`` has 3): its rows
   are permuted so that rank r holds ``[q_r; k_r; v_r]`` (:func:`~lowband.parallel.tensor.permute_sections`),
   a permutation that depends on ``T``. The checkpoint stores the dense section order viewed as
@@ -55,6 +55,7 @@ from torch import nn
 from lowband.optim.rekls import REKLS, ReklsHyper, init_rekls_state
 from lowband.optim.sharded_state import group_hyperparams
 from lowband.parallel.tensor import permute_sections
+from lowband.sharding import Split, placement_of
 
 
 def sections_perm(m: int, sections: int, t: int) -> torch.Tensor:
@@ -129,21 +130,34 @@ class TPStateLayout:
         return x.to_local() if isinstance(x, DTensor) else x
 
     @staticmethod
+    def _cut(p: torch.Tensor) -> Split | None:
+        """``p``'s ``"tp"`` cut (its :class:`~lowband.sharding.Placement`), ``None`` if replicated."""
+        pl = placement_of(p)
+        return pl.split("tp") if pl is not None else None
+
+    @staticmethod
     def _sections(p: torch.Tensor) -> int:
         """Sections of a column-parallel tensor whose rows are section-permuted (1: none)."""
-        return getattr(p, "tp_sections", 1) if getattr(p, "partition_dim", None) == 0 else 1
+        cut = TPStateLayout._cut(p)
+        return cut.sections if cut is not None and cut.dim == 0 else 1
+
+    @staticmethod
+    def _full_shape(p: torch.Tensor) -> tuple[int, ...]:
+        """The dense shape (the local shape of a replicated parameter)."""
+        pl = placement_of(p)
+        return pl.shape if pl is not None else tuple(p.shape)
 
     # ------------------------------------------------------------------- parameter-shaped tensors
     def _param_like_out(self, p: torch.Tensor, x: torch.Tensor) -> Any:
         """A tensor with ``p``'s local layout (the parameter, or an AdamW moment) -> canonical."""
-        pd = getattr(p, "partition_dim", None)
-        if pd is None:
+        cut = self._cut(p)
+        if cut is None:
             return x.detach().clone()
         sec = self._sections(p)
         if sec > 1:
-            m, *rest = p.full_shape
+            m, *rest = self._full_shape(p)
             return self._sharded(x.detach().reshape(sec, m // sec // self.t, *rest), 1, (sec, m // sec, *rest))
-        return self._sharded(x.detach(), pd, tuple(p.full_shape))
+        return self._sharded(x.detach(), cut.dim, self._full_shape(p))
 
     def _param_like_in(self, p: torch.Tensor, x: Any) -> torch.Tensor:
         return self._local(x).reshape(p.shape).contiguous()
@@ -267,8 +281,8 @@ class TPStateLayout:
                     g[k] = optim[key]
 
     def param_shapes(self) -> dict[str, tuple[list[int], str]]:
-        """Dense shapes: ``full_shape`` of TP shards, the local shape of replicated parameters."""
-        return {n: (list(getattr(p, "full_shape", None) or p.shape), str(p.dtype).removeprefix("torch."))
+        """Dense shapes (of the placement; the local shape of replicated parameters)."""
+        return {n: (list(self._full_shape(p)), str(p.dtype).removeprefix("torch."))
                 for n, p in self.params.items()}
 
 

@@ -5,12 +5,13 @@ and clips every rank with a different factor: the update is no longer the single
 :func:`clip_grad_norm_` here computes the norm of the whole logical gradient, identical on every
 rank, and scales like torch (``coef = min(1, max_norm / (norm + eps))``, applied to every gradient).
 
-Which group a parameter is sharded over is read from the parameter itself:
+Which groups a parameter is sharded over is read from its :class:`~lowband.sharding.Placement`
+(:func:`~lowband.sharding.placement_of`):
 
-* a GTP shard (``p.gtp``, set by :class:`~lowband.parallel.gtp.GTPRuntime`): over its runtime's
-  GTP group (pad rows hold zero gradient and add nothing);
-* a TP slice (``p.partition_dim`` not ``None``, ``p.tp_comm``; set by the TP layers of
-  :mod:`lowband.parallel.tensor` / :mod:`lowband.parallel.gtp_tp`): over its TP group;
+* a ``"gtp"`` cut (set by :class:`~lowband.parallel.gtp.GTPRuntime`): over the GTP group (pad rows hold
+  zero gradient and add nothing);
+* a ``"tp"`` cut (set by the TP layers of :mod:`lowband.parallel.tensor` / :mod:`lowband.parallel.gtp_tp`,
+  or declared on a user's own TP layer): over the TP group;
 * both (GTP x TP): over both; anything else is replicated and counted once.
 
 Replicated gradients must already be equal across the groups (as after
@@ -32,17 +33,14 @@ from torch import nn
 
 from lowband.comm import Comm
 from lowband.parallel.gtp import note_grads
+from lowband.sharding import placement_of
 
 
 def _groups(p: torch.Tensor) -> tuple[Comm | None, Comm | None]:
-    gw = getattr(p, "gtp", None)
-    gtp = gw.runtime.comm if gw is not None else None
-    tp = getattr(p, "tp_comm", None) if getattr(p, "partition_dim", None) is not None else None
-    if gtp is not None and gtp.size == 1:
-        gtp = None
-    if tp is not None and tp.size == 1:
-        tp = None
-    return gtp, tp
+    pl = placement_of(p)
+    if pl is None:
+        return None, None
+    return pl.group("gtp"), pl.group("tp")
 
 
 def _params(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:

@@ -100,6 +100,7 @@ from lowband.comm import Comm, CommHandle
 from lowband.comm.codecs import DEFAULT_BLOCK_SIZE, Codec, codec_reduce_scatter, get_codec
 from lowband.comm.comm import true_div_
 from lowband.comm.opaque import opaque
+from lowband.parallel.dense import dense_embedding, dense_linear
 from lowband.parallel.gtp_cache import GTPBufferCache
 from lowband.parallel.gtp_quant import (
     BlockSpec,
@@ -113,6 +114,7 @@ from lowband.parallel.gtp_quant import (
 from lowband.parallel.init_sync import check_module_state, sync_module_state
 from lowband.parallel.tp_grads import note_tp_grads
 from lowband.plan import ModelPlan, tied_names
+from lowband.sharding import PLACEMENT_ATTR, Placement, Split, place, placement_of
 
 GRAD_MODES = ("mean", "sum")
 TIED_POLICIES = ("replicate", "error")
@@ -253,6 +255,9 @@ class GTPWeight:
                         self.padded_out)
         memo[id(self)] = new
         param.gtp = new
+        pl = placement_of(self.param)
+        if pl is not None:  # a Parameter's deep copy drops attributes; the copy shares the groups
+            setattr(param, PLACEMENT_ATTR, pl)
         runtime.weights.append(new)
         return new
 
@@ -572,7 +577,9 @@ class GTPRuntime:
         else:
             param = nn.Parameter(shard, requires_grad=full_weight.requires_grad)
         gw = GTPWeight(self, len(self.weights), name, param, out, inp, padded_out)
-        param.gtp = gw  # marks the parameter as a GTP shard
+        param.gtp = gw  # GTP's own per-weight state (gather chain, buffers); the layout is the placement:
+        place(param, Placement((out, inp), (Split("gtp", 0, self.size, self.rank, pad=padded_out - out,
+                                                  group=self.comm),), name=name))
         self.weights.append(gw)
         return gw
 
@@ -1201,6 +1208,12 @@ class GTPLinear(nn.Module):
         finally:
             release()
 
+    def lowband_dense(self) -> nn.Linear:
+        """The plain ``nn.Linear`` with the whole weight (collective over the GTP group; see
+        :mod:`lowband.parallel.dense`)."""
+        w = self.runtime.full_weight(self.gtp)
+        return dense_linear(w, None if self.bias is None else self.bias.detach(), self.weight)
+
     def extra_repr(self) -> str:
         g = self.gtp
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -1256,6 +1269,10 @@ class GTPEmbedding(nn.Module):
             return F.embedding(idx, weight)
         finally:
             release()
+
+    def lowband_dense(self) -> nn.Embedding:
+        """The plain ``nn.Embedding`` with the whole table (collective over the GTP group)."""
+        return dense_embedding(self.runtime.full_weight(self.gtp), self.weight)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, shard_rows={self.gtp.shard_rows}, "

@@ -50,8 +50,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lowband.dcp_chunks import LocalChunks, box_chunks
+from lowband.dcp_chunks import LocalChunks
 from lowband.parallel.gtp import GTPWeight, is_gtp_param
+from lowband.sharding import Placement, from_state, placement_of, to_state
 
 
 def gather_logical(gw: GTPWeight, shard: torch.Tensor, *, tag: str = "gtp:state") -> torch.Tensor:
@@ -64,74 +65,24 @@ def gather_logical(gw: GTPWeight, shard: torch.Tensor, *, tag: str = "gtp:state"
     return out[: gw.out_features].clone()
 
 
-def shard_of_logical(gw: GTPWeight, full: torch.Tensor, what: str) -> torch.Tensor:
-    """This rank's padded row shard of the logical ``full`` (pad rows zero; no communication).
-
-    Raises:
-        ValueError: ``full`` is not ``[out_features, in_features]``; the message starts with ``what``.
-    """
-    if tuple(full.shape) != (gw.out_features, gw.in_features):
-        raise ValueError(f"{what} has shape {tuple(full.shape)}, expected the logical "
-                         f"({gw.out_features}, {gw.in_features})")
-    shard = torch.zeros(gw.shard_rows, gw.in_features, dtype=full.dtype, device=full.device)
-    lo = gw.runtime.rank * gw.shard_rows
-    hi = min(lo + gw.shard_rows, gw.out_features)
-    if hi > lo:
-        shard[: hi - lo].copy_(full[lo:hi])
-    return shard
-
-
-def real_rows(gw: GTPWeight) -> tuple[int, int]:
-    """``(lo, n)``: this rank's shard holds the logical rows ``[lo, lo + n)`` of ``gw`` (``n`` may be 0:
-    a shard of padding rows only); its rows past ``n`` are padding."""
-    lo = gw.runtime.rank * gw.shard_rows
-    return lo, max(0, min(gw.shard_rows, gw.out_features - lo))
+def _placement(gw: GTPWeight) -> Placement:
+    pl = placement_of(gw.param)
+    assert pl is not None, f"GTP weight {gw.name!r} has no placement"
+    return pl
 
 
 def local_rows(gw: GTPWeight, shard: torch.Tensor) -> LocalChunks:
-    """``shard`` (this rank's padded row shard of ``gw``, or a tensor of its shape) as a
-    :class:`~lowband.dcp_chunks.LocalChunks` of the logical ``[out_features, in_features]`` shape holding
-    its real rows, views of ``shard`` (no copy, no communication)."""
-    view = shard.detach().view(gw.shard_rows, gw.in_features)
-    lo, n = real_rows(gw)
-    return box_chunks((gw.out_features, gw.in_features), [((lo, 0), view[:n])] if n else [],
-                      dtype=view.dtype, device=view.device)
-
-
-def shard_of_chunks(gw: GTPWeight, saved: LocalChunks, what: str) -> torch.Tensor:
-    """This rank's padded row shard (pad rows zero) from a :class:`~lowband.dcp_chunks.LocalChunks` holding
-    exactly its real rows (a :func:`local_rows` template filled by ``dcp.load``; no communication).
-
-    Raises:
-        ValueError: ``saved`` is not of the logical shape or does not hold exactly this rank's real rows;
-            the message starts with ``what``.
-    """
-    if tuple(saved.shape) != (gw.out_features, gw.in_features):
-        raise ValueError(f"{what} has shape {tuple(saved.shape)}, expected the logical "
-                         f"({gw.out_features}, {gw.in_features})")
-    lo, n = real_rows(gw)
-    device = saved.pieces[0][1].device if saved.pieces else saved.device
-    shard = torch.zeros(gw.shard_rows, gw.in_features, dtype=saved.dtype, device=device)
-    held = 0
-    for (r0, c0), piece in saved.pieces:
-        rows, cols = piece.shape
-        if r0 < lo or r0 + rows > lo + n:
-            held = -1
-            break
-        shard[r0 - lo:r0 - lo + rows, c0:c0 + cols].copy_(piece)
-        held += piece.numel()
-    if held != n * gw.in_features:
-        raise ValueError(f"{what} does not hold this rank's rows [{lo}, {lo + n}) (pass the template "
-                         "GTPStateLayout.state_dict() returned, filled by dcp.load, or a whole logical tensor)")
-    return shard
+    """``shard`` (this rank's padded row shard of ``gw``, or a tensor of its shape) as the
+    :class:`~lowband.dcp_chunks.LocalChunks` of the logical shape holding its real rows, views of ``shard``
+    (:func:`lowband.sharding.to_state` of the weight's placement; no communication)."""
+    return to_state(_placement(gw), shard, what=f"GTP weight {gw.name!r}")
 
 
 def shard_of_saved(gw: GTPWeight, saved: torch.Tensor, what: str) -> torch.Tensor:
     """This rank's padded row shard (pad rows zero) of ``saved``: a :class:`~lowband.dcp_chunks.LocalChunks`
-    (:func:`shard_of_chunks`) or a whole logical tensor (:func:`shard_of_logical`); no communication."""
-    if isinstance(saved, LocalChunks):
-        return shard_of_chunks(gw, saved, what)
-    return shard_of_logical(gw, saved, what)
+    holding exactly its real rows, or a whole logical tensor (:func:`lowband.sharding.from_state` of the
+    weight's placement; no communication). ``ValueError`` starting with ``what`` otherwise."""
+    return from_state(_placement(gw), saved, what=what)
 
 
 class GTPStateLayout:
@@ -226,5 +177,5 @@ class GTPStateLayout:
     def param_shapes(self) -> dict[str, tuple[list[int], str]]:
         """Logical shape and dtype of every parameter by FQN (GTP shards reported unpadded and whole)."""
         gtp = self._gtp()
-        return {n: ([gtp[n].out_features, gtp[n].in_features] if n in gtp else list(p.shape),
+        return {n: (list(_placement(gtp[n]).shape) if n in gtp else list(p.shape),
                     str(p.dtype).removeprefix("torch.")) for n, p in self.model.named_parameters()}

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from lowband.comm import Comm
+from lowband.parallel.dense import dense_linear, gather_tp
 from lowband.parallel.gtp import GTPLinear, GTPRuntime
 from lowband.parallel.tensor import (
     _next_site,
@@ -83,6 +84,13 @@ class GTPColumnParallelLinear(nn.Module):
             y = gather_from_tp(y, self.tp_comm, self.tp_site, self.tp_name)
         return y
 
+    def lowband_dense(self) -> nn.Linear:
+        """The plain ``nn.Linear`` (collective: the GTP gather of the TP-local weight, then the TP gathers)."""
+        inner = self.inner
+        w = gather_tp(self.tp_comm, inner.runtime.full_weight(inner.gtp), 0)
+        b = None if inner.bias is None else gather_tp(self.tp_comm, inner.bias, 0)
+        return dense_linear(w, b, inner.weight)
+
 
 class GTPRowParallelLinear(nn.Module):
     """Row-parallel linear (TP on ``in``) with its TP-local ``[out, in/T]`` weight GTP-sharded on ``out``.
@@ -124,3 +132,9 @@ class GTPRowParallelLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y
+
+    def lowband_dense(self) -> nn.Linear:
+        """The plain ``nn.Linear`` (collective: the GTP gather of the TP-local weight, then the TP gather)."""
+        inner = self.inner
+        w = gather_tp(self.tp_comm, inner.runtime.full_weight(inner.gtp), 1)
+        return dense_linear(w, None if self.bias is None else self.bias.detach(), inner.weight)

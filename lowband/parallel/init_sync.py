@@ -30,11 +30,12 @@ import torch
 from torch import nn
 
 from lowband.comm import Comm
+from lowband.sharding import placement_of
 
 
 def is_sharded(t: torch.Tensor) -> bool:
-    """A GTP shard (``t.gtp``) or a TP slice (``t.partition_dim`` not ``None``): differs by design."""
-    return getattr(t, "gtp", None) is not None or getattr(t, "partition_dim", None) is not None
+    """A tensor with a :class:`~lowband.sharding.Placement` (a GTP shard, a TP slice): differs by design."""
+    return placement_of(t) is not None
 
 
 def _state_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -17,14 +17,15 @@ all-gather of ``dX``). The bias is replicated.
   (``tag="tp:row_y"``), then ``+ b``.
 * backward: identity on ``dY`` (no traffic).
 
-Each parameter carries its layout for optimizers (e.g. :class:`lowband.optim.tp_rekls.TpRekls`):
-``param.partition_dim`` (0 = rows of the dense tensor, 1 = columns, ``None`` = replicated) and
-``param.tp_comm`` (the TP :class:`Comm`). ``param.full_shape`` is the dense shape.
+Each sliced parameter carries its layout for optimizers and checkpoints (e.g.
+:class:`lowband.optim.tp_rekls.TpRekls`): a :class:`lowband.sharding.Placement` (read it with
+:func:`lowband.sharding.placement_of`) of the dense shape with one ``"tp"`` cut along dim 0 (rows, column-parallel)
+or 1 (columns, row-parallel) whose ``group`` is the TP :class:`Comm`; a replicated bias has none.
 
 Communicator: the layers run their collectives on ``tp_comm.private("tp")``, one process group of
 their own shared by every TP layer built on the same ``Comm`` (created, among the TP group's
 members, with the first layer), so collectives the user issues on the TP group can never pair with
-them; ``param.tp_comm`` is that private ``Comm`` (``param.tp_comm.parent`` is the one passed in).
+them; the placement's ``"tp"`` group is that private ``Comm`` (its ``parent`` is the one passed in).
 
 Agreement check: every TP collective of a layer carries the layer's signature, ``SITE_BITS`` (16)
 elements of +-1 spelling a number the layer got at construction (layers are built in the same order on
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -54,7 +56,9 @@ from torch import nn
 
 from lowband.comm import Comm
 from lowband.comm.opaque import opaque
-from lowband.parallel.tp_grads import track
+from lowband.parallel.dense import dense_linear, gather_tp
+from lowband.parallel.tp_grads import is_tp_slice, track
+from lowband.sharding import PLACEMENT_ATTR, Placement, Split, place, placement_of
 
 _LOCAL_STATE = [0]
 
@@ -134,15 +138,35 @@ def _check_split(what: str, features: int, size: int) -> None:
 
 def mark_partition(param: nn.Parameter, partition_dim: int | None, tp_comm: Comm,
                    full_shape: tuple[int, ...]) -> nn.Parameter:
-    """Attach the TP layout attributes (``partition_dim``, ``tp_comm``, ``full_shape``) to ``param``; a
-    slice (``partition_dim`` not ``None``) gets its gradient watched for edits that make TP ranks step
-    differently (:mod:`lowband.parallel.tp_grads`)."""
-    param.partition_dim = partition_dim
-    param.tp_comm = tp_comm
-    param.full_shape = tuple(full_shape)
-    if partition_dim is not None:
-        track(param)
+    """Record a TP slice's layout on ``param``: a :class:`~lowband.sharding.Placement` of the dense
+    ``full_shape`` cut along ``partition_dim`` over ``tp_comm`` (outermost: a GTP shard of the slice keeps its
+    own cut inside), and watch its gradient for edits that make TP ranks step differently
+    (:mod:`lowband.parallel.tp_grads`). ``partition_dim = None`` (a replicated bias) records nothing."""
+    if partition_dim is None:
+        return param
+    cut = Split("tp", partition_dim, tp_comm.size, tp_comm.rank, group=tp_comm)
+    inner = placement_of(param)
+    if inner is None:
+        place(param, Placement(tuple(full_shape), (cut,)))
+    else:
+        setattr(param, PLACEMENT_ATTR, inner.with_outer(cut, full_shape))
+    track(param)
     return param
+
+
+def set_tp_layout(param: nn.Parameter, *, sections: int | None = None, name: str | None = None) -> None:
+    """Amend a TP slice's placement: its cut dimension is ``sections`` fused sections (rows permuted, see
+    :func:`permute_sections`), and/or its name (for messages). No-op for a parameter without a TP cut."""
+    pl = placement_of(param)
+    cut = pl.split("tp") if pl is not None else None
+    if pl is None or cut is None:
+        return
+    if sections is not None:
+        cut2 = dataclasses.replace(cut, sections=sections)
+        pl = dataclasses.replace(pl, splits=tuple(cut2 if s is cut else s for s in pl.splits))
+    if name is not None:
+        pl = dataclasses.replace(pl, name=name)
+    setattr(param, PLACEMENT_ATTR, pl)
 
 
 class TPCollectiveError(RuntimeError):
@@ -314,15 +338,14 @@ def _dense_init(out_features: int, in_features: int, bias: bool, dtype: torch.dt
     return w, b
 
 
-_TP_PARAM_ATTRS = ("partition_dim", "tp_comm", "full_shape", "tp_sections", "tp_param_name", "tp_check_grad_edits",
-                   "tp_share_nonfinite")
+_TP_PARAM_ATTRS = (PLACEMENT_ATTR, "tp_check_grad_edits", "tp_share_nonfinite")
 
 
 class _CopyKeepsLayout:
     """``copy.deepcopy`` of a TP layer (an EMA copy of the model) keeps its parameters' TP layout.
 
     ``torch.nn.Parameter``'s own deep copy drops Python attributes, so the copied slices would lose
-    ``partition_dim``, ``tp_comm`` ... (and with them the global clip and :func:`unsharded_copy`). The copy
+    their placement (and with it the global clip and :func:`unsharded_copy`). The copy
     shares the layer's TP group (:meth:`lowband.comm.Comm.__deepcopy__`), so every rank of the group must
     run it, as for the original; its slices' gradients are watched like the original's."""
 
@@ -337,7 +360,7 @@ class _CopyKeepsLayout:
             for attr in _TP_PARAM_ATTRS:
                 if hasattr(p, attr):
                     setattr(q, attr, getattr(p, attr))
-            if getattr(q, "partition_dim", None) is not None:
+            if is_tp_slice(q):
                 track(q)
         return new
 
@@ -401,6 +424,15 @@ class ColumnParallelLinear(_CopyKeepsLayout, nn.Module):
         if self.gather_output and self.tp_comm.size > 1:
             y = gather_from_tp(y, self.tp_comm, self.tp_site, self.tp_name)
         return y
+
+    def lowband_dense(self) -> nn.Linear:
+        """The plain ``nn.Linear`` (collective over the TP group: all-gathers of the weight and bias rows,
+        sections put back in dense order; see :mod:`lowband.parallel.dense`)."""
+        n = self.tp_comm.size
+        w = unpermute_sections(gather_tp(self.tp_comm, self.weight, 0), self.sections, n)
+        b = None if self.bias is None else unpermute_sections(gather_tp(self.tp_comm, self.bias, 0),
+                                                               self.sections, n)
+        return dense_linear(w, b, self.weight)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
@@ -470,6 +502,11 @@ class RowParallelLinear(_CopyKeepsLayout, nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y
+
+    def lowband_dense(self) -> nn.Linear:
+        """The plain ``nn.Linear`` (collective over the TP group: one all-gather of the weight columns)."""
+        w = gather_tp(self.tp_comm, self.weight, 1)
+        return dense_linear(w, None if self.bias is None else self.bias.detach(), self.weight)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (local {self.weight.shape[1]}), "

@@ -1,6 +1,7 @@
 """What torch code does to tensor-parallel gradients between backward and ``optimizer.step()``.
 
-A TP parameter (``param.partition_dim`` not ``None``, :func:`~lowband.parallel.tensor.mark_partition`)
+A TP parameter (one whose :class:`~lowband.sharding.Placement` has a ``"tp"`` cut,
+:func:`~lowband.parallel.tensor.mark_partition`)
 holds one rank's slice of a dense weight, and its ``.grad`` the slice of the dense gradient. Code that
 reduces over "all gradients" per rank then reduces over *different* slices on every TP rank, and the
 ranks step differently while every value still looks plausible. Two such habits of a DDP script, and
@@ -42,10 +43,10 @@ itself when not flagged), so a CUDA stream runs on into the optimizer step.
 (then no collective runs if none is left). Without a GradScaler a non-finite gradient makes the
 update non-finite anyway; the NaN lands in one more element of it.
 
-GTP shards (``param.gtp``) are left to GTP's own check and sharing
+GTP shards (a ``"gtp"`` cut) are left to GTP's own check and sharing
 (:meth:`lowband.parallel.gtp.GTPRuntime.check_grad_edits`, ``share_nonfinite``); a TP group of one
 rank is left alone. Every rank of a TP group must run the same TP layers in the same backward (as the
-TP layers' own collectives already require). Imports nothing else from lowband.
+TP layers' own collectives already require). Imports only :mod:`lowband.sharding` from lowband.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
+
+from lowband.sharding import Split, placement_of
 
 
 class TPGradEditError(RuntimeError):
@@ -74,11 +77,26 @@ _FIRED: dict[int, None] = {}  # the TP groups whose slices autograd accumulated 
 _QUEUED = [-1]  # the graph task whose end runs _share_nonfinite
 
 
+def tp_cut(p: torch.Tensor) -> Split | None:
+    """The ``"tp"`` cut of ``p``'s placement, or ``None`` (a replicated parameter, or one of another axis only)."""
+    pl = placement_of(p)
+    return pl.split("tp") if pl is not None else None
+
+
+def is_tp_slice(p: torch.Tensor) -> bool:
+    """True if ``p`` is a TP slice (a ``"tp"`` cut in its placement, of any group size)."""
+    return tp_cut(p) is not None
+
+
+def _tp_only(p: torch.Tensor) -> Split | None:
+    """The ``"tp"`` cut of a TP slice that is not also a GTP shard (GTP's runtime checks those)."""
+    pl = placement_of(p)
+    return pl.split("tp") if pl is not None and pl.split("gtp") is None else None
+
+
 def _checked(p: torch.Tensor) -> bool:
-    if getattr(p, "partition_dim", None) is None or getattr(p, "gtp", None) is not None:
-        return False
-    comm = getattr(p, "tp_comm", None)
-    return comm is not None and comm.size > 1
+    cut = _tp_only(p)
+    return cut is not None and cut.group is not None and cut.size > 1
 
 
 def _record(p: torch.Tensor) -> None:
@@ -95,7 +113,7 @@ def _after_accumulate(p: torch.Tensor) -> None:
         return
     _record(p)
     if getattr(p, "tp_share_nonfinite", True):
-        _FIRED[id(p.tp_comm)] = None
+        _FIRED[id(tp_cut(p).group)] = None
         task = torch._C._current_graph_task_id()
         if _QUEUED[0] != task:
             _QUEUED[0] = task
@@ -113,7 +131,7 @@ def _share_nonfinite() -> None:
         if key not in fired:
             continue
         params = [p for p in (r() for r in refs) if p is not None and getattr(p, "tp_share_nonfinite", True)
-                  and getattr(p, "gtp", None) is None]  # a GTP shard is GTP's (GTPRuntime.share_nonfinite)
+                  and _tp_only(p) is not None]  # a GTP shard is GTP's (GTPRuntime.share_nonfinite)
         if not params:
             continue
         device = params[0].device
@@ -142,7 +160,7 @@ def track(param: torch.Tensor) -> None:
         return
     param.register_post_accumulate_grad_hook(_after_accumulate)
     _HOOKED[param] = True
-    comm = param.tp_comm
+    comm = tp_cut(param).group
     for key in [k for k, (_, refs) in _BY_COMM.items() if all(r() is None for r in refs)]:
         del _BY_COMM[key]  # a model (and its process group) gone: forget it
     _BY_COMM.setdefault(id(comm), (comm, []))[1].append(weakref.ref(param))
@@ -156,9 +174,9 @@ def note_tp_grads(params: Iterable[torch.Tensor]) -> None:
 
 
 def _name(p: torch.Tensor) -> str:
-    name = getattr(p, "tp_param_name", None)
-    what = f"{name!r}" if name else f"of dense shape {tuple(getattr(p, 'full_shape', p.shape))}"
-    return f"the tensor-parallel parameter {what} (partition_dim={p.partition_dim})"
+    pl = placement_of(p)
+    what = f"{pl.name!r}" if pl.name else f"of dense shape {pl.shape}"
+    return f"the tensor-parallel parameter {what} (partition_dim={pl.split('tp').dim})"
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:

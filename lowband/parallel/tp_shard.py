@@ -11,8 +11,8 @@ reduction). Everything else stays replicated.
 
 State layout per TP rank ``r`` of ``T``: column weight rows ``[r*out/T, (r+1)*out/T)`` of the
 (section-permuted) dense weight, its bias the same rows; row weight columns ``[r*in/T, (r+1)*in/T)``,
-its bias whole. Each weight carries ``partition_dim``, ``tp_comm``, ``full_shape`` and
-``tp_sections`` (see :mod:`lowband.parallel.tensor`).
+its bias whole. Each slice carries its :class:`~lowband.sharding.Placement` (the dense shape, the ``"tp"`` cut
+with its sections and group, the parameter's name; see :mod:`lowband.parallel.tensor`).
 
 Checks (before any collective, the same on every rank since they depend only on the model and the
 plan): ``plan.check_tp(T)``; every planned module exists and is an ``nn.Linear``; divisibility of
@@ -30,7 +30,7 @@ from torch import nn
 
 from lowband.comm import Comm
 from lowband.parallel.init_sync import check_module_state, sync_module_state
-from lowband.parallel.tensor import ColumnParallelLinear, RowParallelLinear, permute_sections
+from lowband.parallel.tensor import ColumnParallelLinear, RowParallelLinear, permute_sections, set_tp_layout
 from lowband.plan import ModelPlan, ParallelLinear, tied_names
 
 
@@ -119,13 +119,12 @@ def shard_tp(model: nn.Module, plan: ModelPlan, comm: Comm, *, init_sync: bool =
         layer.weight.requires_grad_(dense.weight.requires_grad)
         layer.tp_name = pl.module  # named in the TP agreement error (lowband.parallel.tensor)
         for pname, p in layer.named_parameters(recurse=False):
-            p.tp_param_name = f"{pl.module}.{pname}"  # named in TPGradEditError (lowband.parallel.tp_grads)
+            # the placement's name is used in TPGradEditError (lowband.parallel.tp_grads); sections: fused rows
+            set_tp_layout(p, sections=pl.sections if pl.style == "column" else 1, name=f"{pl.module}.{pname}")
             p.tp_check_grad_edits = check_grad_edits
             p.tp_share_nonfinite = share_nonfinite
-        layer.weight.tp_sections = pl.sections if pl.style == "column" else 1
         if dense.bias is not None:
             layer.bias.requires_grad_(dense.bias.requires_grad)
-            layer.bias.tp_sections = pl.sections if pl.style == "column" else 1
         parent_name, _, child = pl.module.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
         out[pl.module] = layer

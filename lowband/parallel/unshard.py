@@ -6,6 +6,9 @@ export, or save a plain ``torch.save`` checkpoint, first call :func:`unsharded_c
 it returns an ordinary ``nn.Module`` (``nn.Linear`` / ``nn.Embedding`` with the full logical weights,
 no communication left in it) that any single rank may run alone. The original model is untouched.
 
+Which modules are sharded, and how each becomes dense, is the module's own answer: every sharded layer
+implements ``lowband_dense()`` (:mod:`lowband.parallel.dense`); no list of classes here.
+
 Communication pattern (every rank of every group involved must call it, in the same program order):
 per sharded module, in ``named_modules()`` order: a :class:`~lowband.parallel.gtp.GTPLinear` /
 :class:`~lowband.parallel.gtp.GTPEmbedding` weight is all-gathered over its GTP group (tag
@@ -21,65 +24,13 @@ import copy
 import torch
 from torch import nn
 
-from lowband.comm import Comm
-from lowband.parallel.gtp import GTPEmbedding, GTPLinear
-from lowband.parallel.gtp_tp import GTPColumnParallelLinear, GTPRowParallelLinear
-from lowband.parallel.tensor import ColumnParallelLinear, RowParallelLinear, TPInputGather, unpermute_sections
-
-
-def _gather_tp(comm: Comm, local: torch.Tensor, dim: int) -> torch.Tensor:
-    """All-gather ``local`` over ``comm`` and concatenate along ``dim`` in rank order."""
-    x = local.detach().contiguous()
-    if comm.size == 1:
-        return x.clone()
-    buf = torch.empty((comm.size, *x.shape), dtype=x.dtype, device=x.device)
-    comm.all_gather(buf, x, tag="tp:state")
-    return torch.cat(list(buf.unbind(0)), dim=dim)
-
-
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None, like: nn.Parameter) -> nn.Linear:
-    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype,
-                    device=weight.device)
-    with torch.no_grad():
-        lin.weight.copy_(weight)
-        if bias is not None:
-            lin.bias.copy_(bias)
-    lin.weight.requires_grad_(like.requires_grad)
-    return lin
+from lowband.parallel.dense import DENSE_METHOD, is_sharded_module
+from lowband.parallel.tensor import TPInputGather
 
 
 def _plain(module: nn.Module) -> nn.Module | None:
     """The unsharded replacement of one sharded module (collective), or ``None`` if it is not one."""
-    if isinstance(module, GTPLinear):
-        w = module.runtime.full_weight(module.gtp)
-        return _linear(w, None if module.bias is None else module.bias.detach(), module.weight)
-    if isinstance(module, GTPEmbedding):
-        emb = nn.Embedding(module.num_embeddings, module.embedding_dim, dtype=module.weight.dtype,
-                           device=module.weight.device)
-        with torch.no_grad():
-            emb.weight.copy_(module.runtime.full_weight(module.gtp))
-        emb.weight.requires_grad_(module.weight.requires_grad)
-        return emb
-    if isinstance(module, ColumnParallelLinear):
-        sections = getattr(module, "sections", 1)
-        n = module.tp_comm.size
-        w = unpermute_sections(_gather_tp(module.tp_comm, module.weight, 0), sections, n)
-        b = None if module.bias is None else unpermute_sections(_gather_tp(module.tp_comm, module.bias, 0),
-                                                                 sections, n)
-        return _linear(w, b, module.weight)
-    if isinstance(module, RowParallelLinear):
-        w = _gather_tp(module.tp_comm, module.weight, 1)
-        return _linear(w, None if module.bias is None else module.bias.detach(), module.weight)
-    if isinstance(module, GTPColumnParallelLinear):
-        inner = module.inner
-        w = _gather_tp(module.tp_comm, inner.runtime.full_weight(inner.gtp), 0)
-        b = None if inner.bias is None else _gather_tp(module.tp_comm, inner.bias, 0)
-        return _linear(w, b, inner.weight)
-    if isinstance(module, GTPRowParallelLinear):
-        inner = module.inner
-        w = _gather_tp(module.tp_comm, inner.runtime.full_weight(inner.gtp), 1)
-        return _linear(w, None if module.bias is None else module.bias.detach(), inner.weight)
-    return None
+    return getattr(module, DENSE_METHOD)() if is_sharded_module(module) else None
 
 
 @torch.no_grad()

@@ -56,12 +56,10 @@ class ExportError(RuntimeError):
 
 def _is_sharded(model: nn.Module) -> bool:
     """True if ``model`` holds GTP or tensor-parallel layers (its weights are shards); local, same on every rank."""
-    from lowband.parallel import ColumnParallelLinear, GTPEmbedding, GTPLinear, RowParallelLinear, TPInputGather
-    from lowband.parallel.gtp_tp import GTPColumnParallelLinear, GTPRowParallelLinear
+    from lowband.parallel.dense import is_sharded_module
+    from lowband.parallel.tensor import TPInputGather
 
-    kinds = (ColumnParallelLinear, RowParallelLinear, GTPLinear, GTPEmbedding, GTPColumnParallelLinear,
-             GTPRowParallelLinear, TPInputGather)
-    return any(isinstance(m, kinds) for m in model.modules())
+    return any(is_sharded_module(m) or isinstance(m, TPInputGather) for m in model.modules())
 
 
 @torch.no_grad()

@@ -169,7 +169,7 @@ def _gtp_save_or_load(algo: str, path: str, save: bool, old_format: bool = False
     from lowband.comm import default_ledger
     from lowband.dcp_chunks import LocalChunks
     from lowband.parallel.gtp import sync_replicated_grads
-    from lowband.parallel.gtp_state import real_rows
+    from lowband.sharding import placement_of
 
     rank = dist.get_rank()
     model, rt, opt, layout = _tiny_layout(0 if save else 1, algo)
@@ -202,7 +202,8 @@ def _gtp_save_or_load(algo: str, path: str, save: bool, old_format: bool = False
         pads = []
         for p in model.parameters():
             if hasattr(p, "gtp"):
-                _lo, real = real_rows(p.gtp)
+                cut = placement_of(p).split("gtp")  # real rows: the shard's rows short of the padded length
+                real = max(0, min(p.shape[0], p.gtp.out_features - cut.rank * p.shape[0]))
                 pads.append(p.detach()[real:])
                 pads += [t[real:] for t in opt.state[p].values() if isinstance(t, torch.Tensor)
                          and t.shape == p.shape]

@@ -10,6 +10,7 @@ from torch import nn
 from lowband.comm import Comm, CommLedger
 from lowband.parallel import ColumnParallelLinear, RowParallelLinear
 from lowband.parallel.tensor import SITE_BITS
+from lowband.sharding import placement_of
 from lowband.testing import run_ranks
 
 
@@ -24,13 +25,17 @@ def _mlp_matches_dense(dtype_name: str) -> None:
     x = torch.randn(3, 5, 6, dtype=dtype)
     col = ColumnParallelLinear.from_dense(fc1, comm)
     row = RowParallelLinear.from_dense(fc2, comm)
-    assert col.weight.partition_dim == 0 and col.bias.partition_dim == 0
+    cw, cb, rw = (placement_of(p) for p in (col.weight, col.bias, row.weight))
+    assert (cw.split("tp").dim, cb.split("tp").dim, rw.split("tp").dim) == (0, 0, 1)
+    assert placement_of(row.bias) is None  # replicated
+    assert [s.rank for s in (cw.split("tp"), rw.split("tp"))] == [rank, rank]
     # the TP layers share one private Comm derived from comm (Comm.private)
-    assert col.weight.tp_comm is row.weight.tp_comm
-    assert (col.weight.tp_comm.parent or col.weight.tp_comm) is comm and col.weight.tp_comm.name == comm.name
-    assert row.weight.partition_dim == 1 and row.bias.partition_dim is None
+    tp = cw.split("tp").group
+    assert tp is rw.split("tp").group
+    assert (tp.parent or tp) is comm and tp.name == comm.name
     assert col.weight.shape == (8 // n, 6) and row.weight.shape == (6, 8 // n)
-    assert col.weight.full_shape == (8, 6) and row.weight.full_shape == (6, 8)
+    assert cw.shape == (8, 6) and rw.shape == (6, 8) and cb.shape == (8,)
+    assert cw.local_shape() == tuple(col.weight.shape) and rw.local_shape() == tuple(row.weight.shape)
 
     xd = x.clone().requires_grad_(True)
     yd = fc2(torch.tanh(fc1(xd)))

@@ -5,7 +5,6 @@ one-rank GTP group against lowband.optim.muon.Muon + torch AdamW."""
 from __future__ import annotations
 
 import copy
-import types
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from lowband.optim.gtp_muon import GTPMuon, MatrixSpec, _wire_dtype, plan_gtp_mu
 from lowband.optim.muon import Muon, muon_apply_, muon_direction_, muon_shape_scale, muon_update_
 from lowband.parallel.gtp import GTPRuntime, shard_linears
 from lowband.plan import muon_split
+from lowband.sharding import Split, placement_of
 from lowband.train.optimizers import adamw_param_groups
 
 
@@ -141,10 +141,12 @@ def test_refusals_name_the_cause():
     with pytest.raises(ValueError, match="algorithm must be one of"):
         GTPMuon([{"params": [model[1].weight], "algorithm": "sgd"}], rt.comm)
     w = model[0].weight
-    w.tp_comm, w.full_shape = types.SimpleNamespace(size=2), (20, 6)  # as gtp_tp's mark_partition
+    alone = placement_of(w)
+    # as gtp_tp's mark_partition: a TP cut outside the GTP one
+    w.placement = alone.with_outer(Split("tp", 0, 2, 0), (2 * alone.shape[0], *alone.shape[1:]))
     with pytest.raises(ValueError, match=r"split over a TP group of 2 ranks.*whole matrix"):
         GTPMuon([{"params": [w], "algorithm": "muon"}], rt.comm)
-    del w.tp_comm, w.full_shape
+    w.placement = alone
     other = Comm(None, name="other")
     with pytest.raises(ValueError, match="GTP shard of group 'gtp'"):
         GTPMuon([{"params": [w], "algorithm": "muon"}], other)

@@ -14,7 +14,7 @@ forward and per column-parallel layer backward), the input gather, the optimizer
 collectives), and with ``dp > 1`` one coalesced all-reduce (avg) of all gradients over DP.
 
 Optimizer (``tp.optimizer``): ``rekls`` = :class:`~lowband.optim.tp_rekls.TpRekls` with
-the layers' ``partition_dim`` (REKLS on the TP matrices, sharded factors; AdamW on embeddings,
+the layers' placements (REKLS on the TP matrices, sharded factors; AdamW on embeddings,
 ``lm_head`` and 1-D params, no weight decay on 1-D); ``adamw`` = torch AdamW on the local shards.
 """
 
@@ -34,6 +34,7 @@ from lowband.parallel.mesh import build_mesh
 from lowband.parallel.tensor import TPInputGather
 from lowband.parallel.tp_shard import shard_tp
 from lowband.plan import plan_for
+from lowband.sharding import placement_of
 from lowband.train.optimizers import torch_adamw
 from lowband.train.strategies import register_strategy
 from lowband.train.strategies.base import Strategy
@@ -47,7 +48,8 @@ def shard_gpt_tp(model: nn.Module, comm: Comm) -> nn.Module:
 
 
 def _is_tp(p: torch.Tensor) -> bool:
-    return getattr(p, "partition_dim", None) is not None
+    pl = placement_of(p)
+    return pl is not None and pl.split("tp") is not None
 
 
 @register_strategy("tp")
