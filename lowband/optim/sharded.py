@@ -112,6 +112,7 @@ from lowband.optim.buckets import (
     plan_muon_units,
 )
 from lowband.optim.muon import muon_update_, validate_muon_hparams
+from lowband.optim.sharded_exchange import load_shard0, shard0_ready, to_shard0
 from lowband.optim.sparse_rows import (
     SparseTable,
     SparseTableUnit,
@@ -1202,14 +1203,33 @@ class ShardedOptimizer(torch.optim.Optimizer):
         a float32 scalar; see :mod:`lowband.optim.sharded_state`. torch's
         ``get_state_dict(model, opt)`` / ``set_state_dict`` and ``dcp.save`` / ``dcp.load`` work on it,
         and reshard it to any world size. Every trainable parameter has an entry (what its first step
-        would create if it has not stepped). Communication: :meth:`full_state_dict`'s all-gathers.
+        would create if it has not stepped). Communication: one ``all_to_all`` per state dtype over the state
+        group (``tag="state"``): each element moves once from the rank that owns it to the rank whose
+        ``Shard(0)`` chunk holds it, never a gather (:mod:`lowband.optim.sharded_exchange`); one rank, or a
+        0-d parameter, takes the gathered path. :meth:`load_state_dict` of this form is the same exchange
+        backwards.
         For this rank's raw shard (no communication, same layout only) use :meth:`shard_state_dict`.
         """
-        full = self.logical_state_dict()
+        if self.comm.size == 1 or any(not m.shape for u in self._units for m in u.layout.members):
+            full = self.logical_state_dict()  # one rank (plain tensors), or a 0-d parameter (no Shard(0) form)
+            shard0 = self._shard0()
+            state = {i: {k: (v if k == "step" else shard0.shard(v)) for k, v in st.items()}
+                     for i, st in full["state"].items()}
+            return {"state": state, "param_groups": full["param_groups"]}
+        with self._state_call("state_dict"):
+            self._wait_gathers()
+            chunks = to_shard0(self)
         shard0 = self._shard0()
-        state = {i: {k: (v if k == "step" else shard0.shard(v)) for k, v in st.items()}
-                 for i, st in full["state"].items()}
-        return {"state": state, "param_groups": full["param_groups"]}
+        params = [p for g in self.param_groups for p in g["params"]]
+        state = {}
+        for ui, unit in enumerate(self._units):
+            steps = self.state.get(ui, {}).get("steps")
+            for mi, m in enumerate(unit.layout.members):
+                entry = {k: shard0.wrap(v, tuple(params[m.index].shape)) for k, v in chunks[m.index].items()}
+                if unit.layout.kind == "adamw":
+                    entry = {"step": torch.tensor(float(steps[mi] if steps else 0), dtype=torch.float32), **entry}
+                state[m.index] = entry
+        return {"state": dict(sorted(state.items())), "param_groups": self._packed_groups()}
 
     @torch.no_grad()
     def logical_state_dict(self) -> dict:
@@ -1277,7 +1297,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
         """Load a :meth:`state_dict` (collective when it holds DTensors: call on every rank), saved at
         any world size, also as torch's ``set_state_dict`` hands it over (keys named by parameter
-        path); a plain ``torch.optim`` full state dict; or a :meth:`shard_state_dict` of this rank."""
+        path); a plain ``torch.optim`` full state dict; or a :meth:`shard_state_dict` of this rank.
+
+        ``Shard(0)`` DTensors of this world size holding every state key of every parameter (what
+        :meth:`state_dict` returns, or its template filled by ``dcp.load``) are exchanged back to their
+        owners with one ``all_to_all`` per dtype; other DTensors are gathered (one all-gather per dtype,
+        ``tag="state"``)."""
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError("ShardedOptimizer.load_state_dict: expected a dict with 'state' and 'param_groups'")
         if "sharding" in state_dict:
@@ -1289,6 +1314,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _load_state_dict(self, state_dict: dict) -> None:
         keyed = self._index_state(state_dict, "load_state_dict")
+        if self.comm.size > 1 and shard0_ready(self, keyed):
+            self._install_owned(load_shard0(self, keyed), keyed)
+            return
         flat = {(i, k): v for i, st in keyed.items() for k, v in st.items()}
         gathered = self._shard0().gather(flat)
         full: dict[int, dict[str, Any]] = {}
@@ -1487,6 +1515,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self.state[ui] = {"momentum_buffer": mom}
             if self._needs_master(unit) and all("master" in saved[m.index] for m in present):
                 self._install_master(ui, {m.index: saved[m.index]["master"] for m in present})
+
+    def _install_owned(self, owned: dict[int, dict[str, torch.Tensor]], keyed: dict[int, dict]) -> None:
+        """Install this rank's owned state per unit (1-D over its owned range, from
+        :func:`~lowband.optim.sharded_exchange.load_shard0`) and the AdamW step counters of ``keyed``."""
+        self.state.clear()
+        for ui, unit in enumerate(self._units):
+            lay = unit.layout
+            st: dict[str, Any] = {}
+            if lay.kind == "adamw":
+                st["steps"] = [int(float(keyed[m.index]["step"])) if "step" in keyed[m.index] else 0
+                               for m in lay.members]
+            for key, flat in owned[ui].items():
+                if lay.kind == "adamw":
+                    st[key] = flat
+                else:
+                    assert lay.matrix_shape is not None
+                    st[key] = flat.view(-1, *lay.matrix_shape)
+            self.state[ui] = st
 
     def _install_master(self, ui: int, per_member: dict[int, torch.Tensor]) -> None:
         """Take this rank's slice of saved fp32 masters (members missing from ``per_member`` start from

@@ -30,10 +30,11 @@ Communication: :class:`ShardedStateLayout`'s ``state_dict`` / ``load_state_dict`
 planning collectives only: metadata, no tensor data); each rank holds at most one saved chunk (16 MiB)
 beyond its own state while saving, and about twice that while loading. Its
 :meth:`~ShardedStateLayout.logical_state_dict` (whole tensors, for inspection and tests; DiLoCo's
-checkpoint uses the rank-local form) and :meth:`ShardedOptimizer.state_dict` (``Shard(0)`` chunks) gather the state with
-:meth:`ShardedOptimizer.full_state_dict` (one all-gather per state tensor per unit, ``tag="state"``), and
-:meth:`ShardedOptimizer.load_state_dict` gathers each ``Shard(0)`` DTensor back with one all-gather per
-dtype (``tag="state"``); those briefly hold the full optimizer state on every rank.
+checkpoint uses the rank-local form) gathers the state with :meth:`ShardedOptimizer.full_state_dict` (one
+all-gather per state tensor per unit, ``tag="state"``; transiently the whole state on every rank). The
+torch-API :meth:`ShardedOptimizer.state_dict` (``Shard(0)`` chunks) and its :meth:`~ShardedOptimizer.load_state_dict`
+do not gather: each element moves once between its owner and its ``Shard(0)`` holder, one ``all_to_all`` per
+state dtype (``tag="state"``, :mod:`lowband.optim.sharded_exchange`), about ``1/N`` of the state held per rank.
 """
 
 from __future__ import annotations
@@ -94,6 +95,17 @@ class Shard0:
         out = DTensor.from_local(full[lo:hi].clone(), self._mesh_for(full.device), [Shard(0)], run_check=False,
                                  shape=full.shape, stride=full.stride())
         # which rank's chunk this is (pickled with it): ShardedOptimizer.load_state_dict refuses it elsewhere
+        out._lowband_shard_of = (self.comm.rank, self.comm.size)  # type: ignore[attr-defined]
+        return out
+
+    def wrap(self, local: torch.Tensor, shape: tuple[int, ...]) -> Any:
+        """``local`` (this rank's ``torch.chunk`` rows of a tensor of ``shape``) as a ``Shard(0)`` DTensor,
+        stamped like :meth:`shard`'s (no copy, no communication)."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        stride = torch.empty(shape, device="meta").stride()
+        out = DTensor.from_local(local, self._mesh_for(local.device), [Shard(0)], run_check=False,
+                                 shape=torch.Size(shape), stride=stride)
         out._lowband_shard_of = (self.comm.rank, self.comm.size)  # type: ignore[attr-defined]
         return out
 

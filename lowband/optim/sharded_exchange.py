@@ -1,0 +1,208 @@
+"""The sharded optimizer's state between its own layout and torch's ``Shard(0)`` layout, with no gather.
+
+:class:`~lowband.optim.sharded.ShardedOptimizer` owns its state by *units*: rank ``s`` holds the flat range
+``owner_range(s)`` of an AdamW bucket (pieces of several parameters), or whole matrices of a Muon unit.
+Its torch-API :meth:`~lowband.optim.sharded.ShardedOptimizer.state_dict` describes every state tensor as a
+``Shard(0)`` ``DTensor`` of the parameter's shape: rank ``r`` holds ``torch.chunk(full, N, 0)[r]``. The two
+layouts cut the same elements differently, so each element moves from its owner to its ``Shard(0)`` holder
+exactly once, in one ``all_to_all`` (variable splits) per state dtype over the optimizer's state group
+(``tag="state"``); :func:`load_shard0` is the same exchange backwards. Memory: this rank's owned state, the
+send and receive buffers and its ``Shard(0)`` chunks, each about ``1/N`` of the whole (the gathered form
+held the whole state on every rank). Wire bytes per rank: the elements it owns that another rank's
+chunk holds (at most its owned state).
+
+What moves, per unit (in unit order, then member order, then key order, identically on every rank):
+AdamW ``exp_avg``, ``exp_avg_sq``; Muon ``momentum_buffer``; and ``master`` where the unit keeps an fp32
+master. A unit that has not stepped contributes what its first step creates (zero moments, the master
+from the parameter). AdamW ``step`` counters are scalars every rank already holds: not exchanged.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lowband.optim.buckets import UnitLayout
+
+if TYPE_CHECKING:
+    from lowband.optim.sharded import ShardedOptimizer
+
+
+def chunk_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """Rows ``[lo, hi)`` of ``torch.chunk(full, world, dim=0)[rank]`` (empty past the last chunk)."""
+    c = -(-rows // world) if rows else 0
+    lo = min(rows, rank * c)
+    return lo, min(rows, lo + c)
+
+
+def state_keys(opt: ShardedOptimizer, ui: int) -> list[str]:
+    """The state tensors of unit ``ui`` that are laid out like its parameters (exchange order)."""
+    unit = opt._units[ui]
+    keys = ["exp_avg", "exp_avg_sq"] if unit.layout.kind == "adamw" else ["momentum_buffer"]
+    if opt._needs_master(unit):
+        keys.append("master")
+    return keys
+
+
+def _owned(lay: UnitLayout, rank: int) -> tuple[int, int]:
+    """The flat range (unit coordinates) whose state ``rank`` holds; its local tensors start at the first."""
+    lo, hi = lay.owner_range(rank)
+    if lay.kind == "adamw":
+        return lo, hi
+    assert lay.matrix_shape is not None and lay.real_per_rank is not None
+    return lo, lo + lay.real_per_rank[rank] * lay.matrix_shape[0] * lay.matrix_shape[1]
+
+
+def _held(lay: UnitLayout, mi: int, rank: int) -> tuple[int, int]:
+    """The flat range (unit coordinates) of member ``mi`` that ``rank``'s ``Shard(0)`` chunk holds."""
+    m = lay.members[mi]
+    rows = m.shape[0] if len(m.shape) else 1
+    row = m.numel // rows if rows else 0
+    lo, hi = chunk_rows(rows, lay.world_size, rank)
+    return m.offset + lo * row, m.offset + hi * row
+
+
+def _segment(lay: UnitLayout, mi: int, owner: int, holder: int) -> tuple[int, int]:
+    """Flat range of member ``mi`` that ``owner`` owns and ``holder``'s chunk holds (``a >= b``: none)."""
+    o_lo, o_hi = _owned(lay, owner)
+    h_lo, h_hi = _held(lay, mi, holder)
+    return max(o_lo, h_lo), min(o_hi, h_hi)
+
+
+def _owned_state(opt: ShardedOptimizer, ui: int) -> dict[str, torch.Tensor]:
+    """This rank's state tensors of unit ``ui`` as 1-D views over its owned range (what a first step would
+    create where the unit has not stepped)."""
+    unit = opt._units[ui]
+    lay, acc, dev = unit.layout, unit.grad_shard.dtype, unit.grad_shard.device
+    st = opt.state.get(ui, {})
+    lo, hi = _owned(lay, opt.comm.rank)
+    out = {}
+    for key in state_keys(opt, ui):
+        if key in st:
+            out[key] = st[key].reshape(-1)
+        elif key == "master":
+            out[key] = unit.param_buf[lo:hi].to(acc)
+        else:
+            out[key] = torch.zeros(hi - lo, dtype=acc, device=dev)
+    return out
+
+
+def _units_by_dtype(opt: ShardedOptimizer) -> dict[torch.dtype, list[int]]:
+    out: dict[torch.dtype, list[int]] = {}
+    for ui, unit in enumerate(opt._units):
+        out.setdefault(unit.grad_shard.dtype, []).append(ui)
+    return out
+
+
+@torch.no_grad()
+def to_shard0(opt: ShardedOptimizer) -> dict[int, dict[str, torch.Tensor]]:
+    """``{param index: {key: this rank's Shard(0) chunk}}`` for every member of every unit (collective:
+    one ``all_to_all`` per state dtype over the state group, ``tag="state"``)."""
+    comm, n, me = opt._state_comm, opt.comm.size, opt.comm.rank
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for dtype, uis in _units_by_dtype(opt).items():
+        dev = opt._units[uis[0]].grad_shard.device
+        owned = {ui: _owned_state(opt, ui) for ui in uis}
+        sends: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        recv_sizes = [0] * n
+        for ui in uis:
+            lay = opt._units[ui].layout
+            base = lay.owner_range(me)[0]
+            for mi, m in enumerate(lay.members):
+                rows = m.shape[0] if len(m.shape) else 1
+                lo, hi = chunk_rows(rows, n, me)
+                out[m.index] = {key: torch.empty((hi - lo, *m.shape[1:]), dtype=dtype, device=dev)
+                                for key in state_keys(opt, ui)}
+                for r in range(n):
+                    a, b = _segment(lay, mi, me, r)
+                    if a < b:
+                        sends[r].extend(owned[ui][key][a - base:b - base] for key in state_keys(opt, ui))
+                    a, b = _segment(lay, mi, r, me)
+                    if a < b:
+                        recv_sizes[r] += (b - a) * len(state_keys(opt, ui))
+        send_sizes = [sum(t.numel() for t in parts) for parts in sends]
+        send = torch.cat([t for parts in sends for t in parts]) if sum(send_sizes) else torch.empty(
+            0, dtype=dtype, device=dev)
+        recv = torch.empty(sum(recv_sizes), dtype=dtype, device=dev)
+        comm.all_to_all(recv, send, recv_sizes, send_sizes, tag="state")
+        pos = 0
+        for r in range(n):
+            for ui in uis:
+                lay = opt._units[ui].layout
+                for mi, m in enumerate(lay.members):
+                    a, b = _segment(lay, mi, r, me)
+                    if a >= b:
+                        continue
+                    h_lo = _held(lay, mi, me)[0]
+                    for key in state_keys(opt, ui):
+                        out[m.index][key].view(-1)[a - h_lo:b - h_lo].copy_(recv[pos:pos + b - a])
+                        pos += b - a
+    return out
+
+
+def shard0_ready(opt: ShardedOptimizer, state: dict[int, dict[str, Any]]) -> bool:
+    """True if ``state`` (by param index) holds, for every member of every unit, each of its
+    :func:`state_keys` as this rank's ``Shard(0)`` chunk (a ``DTensor`` over ``N`` ranks of the parameter's
+    shape), so :func:`load_shard0` can take it. No communication."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    n, me = opt.comm.size, opt.comm.rank
+    for ui, unit in enumerate(opt._units):
+        for m in unit.layout.members:
+            st = state.get(m.index)
+            if not isinstance(st, dict):
+                return False
+            for key in state_keys(opt, ui):
+                v = st.get(key)
+                if (not isinstance(v, DTensor) or v.device_mesh.size() != n or list(v.placements) != [Shard(0)]
+                        or tuple(v.shape) != tuple(m.shape) or not len(m.shape)):
+                    return False
+                lo, hi = chunk_rows(m.shape[0], n, me)
+                if tuple(v.to_local().shape) != (hi - lo, *m.shape[1:]):
+                    return False
+    return True
+
+
+@torch.no_grad()
+def load_shard0(opt: ShardedOptimizer, state: dict[int, dict[str, Any]]) -> dict[int, dict[str, torch.Tensor]]:
+    """The inverse of :func:`to_shard0`: ``{unit index: {key: this rank's owned state, 1-D}}`` from ``Shard(0)``
+    chunks (``state`` as :func:`shard0_ready` accepts it; collective, one ``all_to_all`` per state dtype)."""
+    comm, n, me = opt._state_comm, opt.comm.size, opt.comm.rank
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for dtype, uis in _units_by_dtype(opt).items():
+        dev = opt._units[uis[0]].grad_shard.device
+        sends: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        recv_sizes = [0] * n
+        for ui in uis:
+            lay = opt._units[ui].layout
+            lo, hi = _owned(lay, me)
+            out[ui] = {key: torch.zeros(hi - lo, dtype=dtype, device=dev) for key in state_keys(opt, ui)}
+            for mi, m in enumerate(lay.members):
+                h_lo = _held(lay, mi, me)[0]
+                locals_ = {key: state[m.index][key].to_local().reshape(-1) for key in state_keys(opt, ui)}
+                for r in range(n):
+                    a, b = _segment(lay, mi, r, me)
+                    if a < b:
+                        sends[r].extend(locals_[key][a - h_lo:b - h_lo].to(dtype) for key in state_keys(opt, ui))
+                    a, b = _segment(lay, mi, me, r)
+                    if a < b:
+                        recv_sizes[r] += (b - a) * len(state_keys(opt, ui))
+        send_sizes = [sum(t.numel() for t in parts) for parts in sends]
+        send = torch.cat([t for parts in sends for t in parts]) if sum(send_sizes) else torch.empty(
+            0, dtype=dtype, device=dev)
+        recv = torch.empty(sum(recv_sizes), dtype=dtype, device=dev)
+        comm.all_to_all(recv, send, recv_sizes, send_sizes, tag="state")
+        pos = 0
+        for r in range(n):
+            for ui in uis:
+                lay = opt._units[ui].layout
+                base = lay.owner_range(me)[0]
+                for mi in range(len(lay.members)):
+                    a, b = _segment(lay, mi, me, r)
+                    if a >= b:
+                        continue
+                    for key in state_keys(opt, ui):
+                        out[ui][key][a - base:b - base].copy_(recv[pos:pos + b - a])
+                        pos += b - a
+    return out
