@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -61,6 +62,7 @@ from lowband.comm.codecs import WIRE_CODECS
 from lowband.diloco import StreamingDiLoCo, split_fragments
 from lowband.diloco.state import GTPShardLayout
 from lowband.parallel.mesh import build_mesh
+from lowband.train.errors import ConfigError
 from lowband.train.strategies import get_strategy_class, register_strategy
 from lowband.train.strategies.base import Strategy
 
@@ -72,10 +74,76 @@ INNER = ("ddp", "sharded-adamw", "sharded-muon", "gtp")
 list, the config's choices and the registry agree)."""
 
 
+@dataclass(kw_only=True)
+class DilocoConfig:
+    """Streaming DiLoCo (``strategy.name = "diloco"``); see docs/diloco.md."""
+
+    num_replicas: int = 0
+    """Replica groups; 0 = one per rank. world_size / num_replicas ranks per replica train together."""
+    inner: str = "ddp"
+    """Strategy inside a replica (over its world_size / num_replicas ranks): ddp (torch DDP + AdamW) |
+    sharded-adamw | sharded-muon (lowband's sharded optimizer; [sharded], [sparse] tables) | gtp (weights
+    row-sharded over gtp.size ranks of the replica, 0 = all of them; [gtp], gtp.optimizer). docs/diloco.md."""
+    sync_every: int = 32
+    """H: inner steps between two syncs of the same fragment."""
+    fragments: int = 2
+    """n: fragments (consecutive blocks); one syncs every sync_every / fragments inner steps."""
+    delay: int = 1
+    """tau: inner steps a fragment's all-reduce overlaps, in [0, sync_every / fragments)."""
+    alpha: float = 0.0
+    """Merge weight of the local weights after a sync, in [0, 1] (0 = take the new global weights)."""
+    outer_lr: float = 0.7
+    """Learning rate of the outer SGD step on the averaged pseudo-gradient."""
+    outer_momentum: float = 0.9
+    """Momentum of the outer SGD step."""
+    outer_nesterov: bool = True
+    """Nesterov momentum in the outer step."""
+    wire: str = "fp32"
+    """Pseudo-gradient wire format: fp32 | bf16 | fp8 | int8 | int4 | int2 | topk | topk-int4 | topk-int2
+    (fp8/int8/int4/int2 with per-block fp32 scales; topk* keep topk_k of every topk_chunk values)."""
+    block_size: int = 256
+    """Elements per scale for fp8 / int8 / int4 / int2 (and the kept values of topk-int4 / topk-int2)."""
+    topk_chunk: int = 256
+    """Top-k chunk (power of two); kept positions travel as log2(topk_chunk)-bit offsets."""
+    topk_k: int = 8
+    """Values kept per top-k chunk."""
+    error_feedback: str = "auto"
+    """auto (on for int4/int2/topk*, off for fp32/bf16/fp8/int8) | on | off: keep what the codec dropped
+    and add it to the fragment's next pseudo-gradient."""
+    bucket_mb: float = 0.0
+    """Bucket cap of a fragment's outer all-reduce in MB; 0 = one bucket per fragment."""
+
+
+@dataclass(kw_only=True)
+class FtConfig:
+    """Fault-tolerant DiLoCo across separate launches (torchft; ``pip install 'lowband[ft]'``): each replica
+    group is its own ``python -m lowband.train`` / ``torchrun`` launch, possibly on its own machine; groups
+    meet through a Lighthouse (``python -m lowband.lighthouse``), may fail and return, and a returning group
+    is healed from a live peer. docs/diloco.md, "Training across machines"."""
+
+    enabled: bool = False
+    """Run this launch as one replica group of a fault-tolerant run (needs strategy.name = diloco and
+    diloco.num_replicas = 1)."""
+    lighthouse: str = ""
+    """Lighthouse URL, http://HOST:PORT; "" = the TORCHFT_LIGHTHOUSE environment variable."""
+    group: int = -1
+    """This group's index, in [0, ft.groups): its name (lowband_group_<group>) and its part of the data."""
+    groups: int = 1
+    """Replica groups the run is planned for: the data are split into this many parts, one per group."""
+    min_replicas: int = 1
+    """Groups a sync needs; with fewer alive the quorum waits (up to ft.quorum_timeout_s)."""
+    host: str = ""
+    """Address other machines reach this group at (ManagerServer, TCPStore, heal server); "" = the hostname."""
+    timeout_s: float = 60.0
+    """Cross-group collectives, commit votes and heal transfers; a hung peer costs at most this."""
+    quorum_timeout_s: float = 300.0
+    """How long a quorum may wait for ft.min_replicas groups before the run stops (exit 1)."""
+    connect_timeout_s: float = 30.0
+    """Connecting to the Lighthouse (an unreachable one stops the launch before training, exit 2) and peers."""
+
+
 def inner_class(cfg: Any) -> type[Strategy]:
     """The strategy class of ``diloco.inner`` (``ConfigError`` naming the choices for another name)."""
-    from lowband.train.config import ConfigError
-
     if cfg.diloco.inner not in INNER:
         raise ConfigError(f"diloco.inner must be one of {', '.join(INNER)}; got {cfg.diloco.inner!r}")
     return get_strategy_class(cfg.diloco.inner)
@@ -97,8 +165,6 @@ def lighthouse_url(cfg: Any) -> str:
 def validate_ft(cfg: Any) -> None:
     """The ``[ft]`` section of a fault-tolerant launch (local checks, before any process group)."""
     import importlib.util
-
-    from lowband.train.config import ConfigError
 
     f = cfg.ft
     if cfg.diloco.num_replicas != 1:
@@ -155,8 +221,6 @@ class DilocoStrategy(Strategy):
 
     @classmethod
     def validate_config(cls, cfg, world_size: int) -> None:
-        from lowband.train.config import ConfigError
-
         super().validate_config(cfg, world_size)
         d = cfg.diloco
         replicas = d.num_replicas or world_size
@@ -196,8 +260,6 @@ class DilocoStrategy(Strategy):
     def _validate_inner(cfg, per_replica: int) -> None:
         """``diloco.inner`` and the settings of the strategy inside a replica of ``per_replica`` ranks (its
         :meth:`Strategy.validate_inner`)."""
-        from lowband.train.config import ConfigError
-
         inner_cls = inner_class(cfg)
         if cfg.sparse.tables and not inner_cls.sparse_rows:
             raise ConfigError(f"sparse.tables = {list(cfg.sparse.tables)} needs diloco.inner = "
@@ -210,8 +272,6 @@ class DilocoStrategy(Strategy):
         """Build the replica x dp x gtp mesh, set the inner strategy up on it, then Streaming DiLoCo on the
         replica axis. Collectives: the mesh's groups, the inner strategy's initial sync, DiLoCo's
         settings check and initial broadcast over the replica group."""
-        from lowband.train.config import ConfigError
-
         d = self.cfg.diloco
         world = self.env.world_size
         replicas = d.num_replicas or world
