@@ -58,8 +58,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from lowband.comm.codecs import WIRE_CODECS
-from lowband.diloco import StreamingDiLoCo, split_fragments
+from lowband.comm.codecs import WIRE_CODECS, check_wire
+from lowband.comm.compress import check_block_size, check_topk
+from lowband.diloco import StreamingDiLoCo, outer_sgd, split_fragments
+from lowband.diloco.outer import check_alpha, check_outer_sgd
+from lowband.diloco.schedule import validate_schedule
 from lowband.diloco.state import GTPShardLayout
 from lowband.parallel.mesh import build_mesh
 from lowband.train.errors import ConfigError
@@ -140,6 +143,22 @@ class FtConfig:
     """How long a quorum may wait for ft.min_replicas groups before the run stops (exit 1)."""
     connect_timeout_s: float = 30.0
     """Connecting to the Lighthouse (an unreachable one stops the launch before training, exit 2) and peers."""
+
+
+SCHEDULE_KEYS = {"num_fragments": "diloco.fragments", "sync_every": "diloco.sync_every", "delay": "diloco.delay"}
+"""The config keys of :func:`lowband.diloco.schedule.validate_schedule`'s arguments (its messages name them)."""
+
+
+@contextlib.contextmanager
+def library_check() -> Iterator[None]:
+    """Run a library validator called with the config's key names: its ``ValueError`` / ``TypeError`` (one line
+    naming the key) becomes a :class:`ConfigError` with the same message."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from e
 
 
 def inner_class(cfg: Any) -> type[Strategy]:
@@ -227,31 +246,20 @@ class DilocoStrategy(Strategy):
         if d.num_replicas < 0 or world_size % replicas:
             raise ConfigError(f"diloco.num_replicas must be 0 (one per rank) or a divisor of run.world_size "
                               f"({world_size}); got {d.num_replicas}")
-        if d.fragments < 1:
-            raise ConfigError(f"diloco.fragments must be >= 1; got {d.fragments}")
-        if d.sync_every < d.fragments or d.sync_every % d.fragments:
-            raise ConfigError(f"diloco.sync_every must be a positive multiple of diloco.fragments "
-                              f"({d.fragments}); got {d.sync_every}")
-        if not 0 <= d.delay < d.sync_every // d.fragments:
-            raise ConfigError(f"diloco.delay must be in [0, sync_every / fragments) = "
-                              f"[0, {d.sync_every // d.fragments}); got {d.delay}")
-        if not 0.0 <= d.alpha <= 1.0:
-            raise ConfigError(f"diloco.alpha must be in [0, 1]; got {d.alpha}")
-        if d.wire not in WIRES:
-            raise ConfigError(f"diloco.wire must be one of {', '.join(WIRES)}; got {d.wire!r}")
-        if d.block_size <= 0 or d.block_size % 4:
-            raise ConfigError(f"diloco.block_size must be a positive multiple of 4; got {d.block_size}")
-        c = d.topk_chunk
-        if c < 2 or c > 65536 or c & (c - 1):
-            raise ConfigError(f"diloco.topk_chunk must be a power of two in [2, 65536]; got {c}")
-        if not 1 <= d.topk_k <= c:
-            raise ConfigError(f"diloco.topk_k must be in [1, diloco.topk_chunk = {c}]; got {d.topk_k}")
+        with library_check():  # the rules StreamingDiLoCo and its codecs enforce, by their own validators
+            validate_schedule(d.fragments, d.sync_every, d.delay, names=SCHEDULE_KEYS)
+            check_alpha(d.alpha, name="diloco.alpha")
+            check_wire(d.wire, allowed=WIRES, what="diloco.wire")
+            check_block_size(d.block_size, name="diloco.block_size")
+            check_topk(d.topk_chunk, d.topk_k, names={"topk_chunk": "diloco.topk_chunk", "topk_k": "diloco.topk_k"})
         if d.error_feedback not in ERROR_FEEDBACK:
             raise ConfigError(f"diloco.error_feedback must be one of {', '.join(ERROR_FEEDBACK)}; "
                               f"got {d.error_feedback!r}")
-        if d.outer_lr <= 0 or d.outer_momentum < 0 or d.bucket_mb < 0:
-            raise ConfigError("diloco.outer_lr must be > 0, diloco.outer_momentum and diloco.bucket_mb >= 0; "
-                              f"got {d.outer_lr}, {d.outer_momentum}, {d.bucket_mb}")
+        with library_check():
+            check_outer_sgd(d.outer_lr, d.outer_momentum,
+                            names={"lr": "diloco.outer_lr", "momentum": "diloco.outer_momentum"})
+        if d.bucket_mb < 0:  # 0 = one bucket per fragment (StreamingDiLoCo's bucket_cap_mb = None)
+            raise ConfigError(f"diloco.bucket_mb must be >= 0; got {d.bucket_mb}")
         cls._validate_inner(cfg, world_size // replicas)
         if cfg.ft.enabled:
             validate_ft(cfg)
@@ -302,14 +310,11 @@ class DilocoStrategy(Strategy):
             fragments.append([params[n] for n in whole + [n for n in names if n in shards.weights]])
             breaks.append([sum(params[n].numel() for n in whole)])
 
-        def outer(params: list) -> torch.optim.Optimizer:
-            return torch.optim.SGD(params, lr=d.outer_lr, momentum=d.outer_momentum,
-                                   nesterov=d.outer_nesterov and d.outer_momentum > 0)
-
         membership = self._ft_membership(inner) if self.cfg.ft.enabled else None
         self.diloco = StreamingDiLoCo(inner.unwrapped(), self.optimizer, comm=self.mesh.replica,
                                       sync_every=d.sync_every, fragments=fragments, delay=d.delay, alpha=d.alpha,
-                                      outer_optimizer=outer, wire=d.wire, block_size=d.block_size,
+                                      outer_optimizer=outer_sgd(d.outer_lr, d.outer_momentum, d.outer_nesterov),
+                                      wire=d.wire, block_size=d.block_size,
                                       topk_chunk=d.topk_chunk, topk_k=d.topk_k,
                                       error_feedback=ERROR_FEEDBACK[d.error_feedback],
                                       bucket_cap_mb=d.bucket_mb or None,
