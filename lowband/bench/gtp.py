@@ -71,7 +71,7 @@ def default_contenders() -> tuple[str, ...]:
 
 def gtp_has_muon() -> bool:
     """Whether strategy ``gtp`` takes ``gtp.optimizer = "muon"`` in this build."""
-    from lowband.train.config import GTPConfig
+    from lowband.train.strategies.gtp import GTPConfig
 
     return "optimizer" in {f.name for f in dataclasses.fields(GTPConfig)}
 

@@ -54,6 +54,7 @@ from lowband.comm.compress import (
     MESSAGE_CODECS,
     GatherHandle,
     MessageCodec,
+    check_block_size,
     gather_all_reduce,
     get_message_codec,
     reference_gather_all_reduce,
@@ -160,9 +161,8 @@ def get_codec(name: str, block_size: int = DEFAULT_BLOCK_SIZE) -> Codec:
     """
     if name not in CODECS:
         raise ValueError(f"wire codec {name!r} is not supported; allowed: {list(CODECS)}")
-    if name in ("fp8", "int8") and (not isinstance(block_size, int) or block_size <= 0
-                                    or block_size % 4):
-        raise ValueError(f"codec block_size must be a positive multiple of 4, got {block_size!r}")
+    if name in ("fp8", "int8"):
+        check_block_size(block_size)
     if name == "fp64":
         return Codec("fp64", torch.float64, None, 1)
     if name == "fp32":
@@ -437,11 +437,19 @@ def get_wire(name: str, block_size: int = DEFAULT_BLOCK_SIZE, topk_chunk: int = 
     Raises:
         ValueError: unknown name (listing every allowed one) or bad ``block_size`` / top-k settings.
     """
+    check_wire(name)
     if name in CODECS:
         return get_codec(name, block_size)
-    if name in MESSAGE_CODECS:
-        return get_message_codec(name, block_size, topk_chunk, topk_k)
-    raise ValueError(f"wire codec {name!r} is not supported; allowed: {list(WIRE_CODECS)}")
+    return get_message_codec(name, block_size, topk_chunk, topk_k)
+
+
+def check_wire(name: str, *, allowed: Sequence[str] = WIRE_CODECS, what: str = "wire codec") -> None:
+    """Raise ``ValueError`` unless ``name`` is one of ``allowed`` (by default every wire format,
+    ``WIRE_CODECS``), the message calling it ``what`` (the trainer: ``diloco.wire``, which offers every format
+    but ``fp64``). The one check of a wire format's name: :func:`get_wire`,
+    :class:`lowband.diloco.StreamingDiLoCo` and the trainer's config validation call it."""
+    if name not in allowed:
+        raise ValueError(f"{what} must be one of {', '.join(allowed)}; got {name!r}")
 
 
 def wire_all_reduce(comm: Comm, flat: torch.Tensor, codec: WireCodec, *, op: str = "avg",

@@ -51,7 +51,7 @@ what error feedback keeps.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -247,17 +247,37 @@ def get_message_codec(name: str, block_size: int = 64, topk_chunk: int = DEFAULT
     """
     if name not in MESSAGE_CODECS:
         raise ValueError(f"message codec {name!r} is not supported; allowed: {list(MESSAGE_CODECS)}")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0 or block_size % 4:
-        raise ValueError(f"codec block_size must be a positive multiple of 4, got {block_size!r}")
+    check_block_size(block_size)
     if name in LOWBIT:
         return LowBitCodec(name, LOWBIT[name], block_size)
+    check_topk(topk_chunk, topk_k)
+    values = None if name == "topk" else LowBitCodec(name[5:], LOWBIT[name[5:]], block_size)
+    return TopKCodec(name, topk_chunk, topk_k, values)
+
+
+def check_block_size(block_size: int, *, name: str = "codec block_size") -> None:
+    """Raise ``ValueError`` unless ``block_size`` (elements per fp32 scale of a block-scaled codec) is a positive
+    multiple of 4; the message calls it ``name`` (the trainer: ``diloco.block_size``). The one check of this
+    rule: the block-scaled codecs (:func:`get_message_codec`, :func:`lowband.comm.codecs.get_codec`) and the
+    trainer's config validation call it."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0 or block_size % 4:
+        raise ValueError(f"{name} must be a positive multiple of 4; got {block_size!r}")
+
+
+def check_topk(topk_chunk: int, topk_k: int, *, names: Mapping[str, str] | None = None) -> None:
+    """Raise ``ValueError`` unless ``topk_chunk`` is a power of two in ``[2, 65536]`` (offsets travel in
+    ``log2`` of it bits) and ``topk_k`` is in ``[1, topk_chunk]``.
+
+    Args:
+        names: how the message calls ``topk_chunk`` and ``topk_k`` (default ``"codec topk_chunk"``,
+            ``"codec topk_k"``); the trainer passes ``diloco.topk_chunk`` / ``diloco.topk_k``.
+    """
+    nm = {"topk_chunk": "codec topk_chunk", "topk_k": "codec topk_k", **(names or {})}
     c, k = topk_chunk, topk_k
     if isinstance(c, bool) or not isinstance(c, int) or not 2 <= c <= 65536 or c & (c - 1):
-        raise ValueError(f"codec topk_chunk must be a power of two in [2, 65536], got {c!r}")
+        raise ValueError(f"{nm['topk_chunk']} must be a power of two in [2, 65536]; got {c!r}")
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= c:
-        raise ValueError(f"codec topk_k must be in [1, topk_chunk={c}], got {k!r}")
-    values = None if name == "topk" else LowBitCodec(name[5:], LOWBIT[name[5:]], block_size)
-    return TopKCodec(name, c, k, values)
+        raise ValueError(f"{nm['topk_k']} must be in [1, {nm['topk_chunk']} = {c}]; got {k!r}")
 
 
 def _check_flat(x: torch.Tensor, name: str) -> None:

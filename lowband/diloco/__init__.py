@@ -12,11 +12,11 @@
 
 from lowband.diloco.fragments import Fragment, split_fragments
 from lowband.diloco.membership import StaticMembership, replica_mesh
-from lowband.diloco.outer import default_outer_optimizer
+from lowband.diloco.outer import default_outer_optimizer, outer_sgd
 from lowband.diloco.schedule import ScheduleConfig, actions_at, fragment_for, plan, validate_schedule
 from lowband.diloco.state import DilocoCheckpoint
 from lowband.diloco.streaming import StreamingDiLoCo
 
 __all__ = ["DilocoCheckpoint", "Fragment", "ScheduleConfig", "StaticMembership", "StreamingDiLoCo",
-           "actions_at", "default_outer_optimizer", "fragment_for", "plan", "replica_mesh",
+           "actions_at", "default_outer_optimizer", "fragment_for", "outer_sgd", "plan", "replica_mesh",
            "split_fragments", "validate_schedule"]

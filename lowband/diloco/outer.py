@@ -10,7 +10,7 @@ For one fragment with global copy ``G`` (the last agreed weights) and local weig
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -20,6 +20,39 @@ OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 def default_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
     """SGD, lr 0.7, momentum 0.9, Nesterov: the DiLoCo papers' and torchft's default."""
     return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+def check_outer_sgd(lr: float, momentum: float, *, names: Mapping[str, str] | None = None) -> None:
+    """Raise ``ValueError`` unless the outer SGD's ``lr > 0`` and ``momentum >= 0``.
+
+    Args:
+        names: how the message calls ``lr`` and ``momentum`` (default ``"diloco outer lr"``,
+            ``"diloco outer momentum"``); the trainer passes ``diloco.outer_lr`` / ``diloco.outer_momentum``.
+    """
+    nm = {"lr": "diloco outer lr", "momentum": "diloco outer momentum", **(names or {})}
+    if isinstance(lr, bool) or not isinstance(lr, int | float) or not lr > 0:
+        raise ValueError(f"{nm['lr']} must be > 0; got {lr!r}")
+    if isinstance(momentum, bool) or not isinstance(momentum, int | float) or not momentum >= 0:
+        raise ValueError(f"{nm['momentum']} must be >= 0; got {momentum!r}")
+
+
+def outer_sgd(lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True) -> OuterOptimizerFactory:
+    """A factory ``params -> torch.optim.SGD`` for :class:`~lowband.diloco.StreamingDiLoCo`'s
+    ``outer_optimizer``, its settings checked now (:func:`check_outer_sgd`); Nesterov only with momentum > 0
+    (torch refuses Nesterov without momentum). The defaults are :func:`default_outer_optimizer`'s."""
+    check_outer_sgd(lr, momentum)
+
+    def make(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
+
+    return make
+
+
+def check_alpha(alpha: float, *, name: str = "diloco alpha") -> None:
+    """Raise ``ValueError`` unless the merge weight ``alpha`` (:func:`merge_`) is a number in ``[0, 1]``;
+    the message calls it ``name`` (the trainer: ``diloco.alpha``)."""
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0.0 <= float(alpha) <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1]; got {alpha!r}")
 
 
 @torch.no_grad()

@@ -12,6 +12,7 @@ same fragment ``K`` steps later. With ``tau = 0`` prepare and sync fall on the s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 PREPARE = "prepare"
@@ -41,23 +42,37 @@ class ScheduleConfig:
         return self.sync_every // self.num_fragments
 
 
-def validate_schedule(num_fragments: int, sync_every: int, delay: int) -> None:
-    """Raise ``ValueError`` naming the bad value unless ``n >= 1``, ``H >= n``, ``n | H``,
-    ``0 <= tau < H/n``."""
+SCHEDULE_NAMES = {"num_fragments": "diloco num_fragments", "sync_every": "diloco sync_every", "delay": "diloco delay"}
+"""How :func:`validate_schedule`'s messages call its arguments unless told otherwise."""
+
+
+def validate_schedule(num_fragments: int, sync_every: int, delay: int, *,
+                      names: Mapping[str, str] | None = None) -> None:
+    """Raise ``ValueError`` naming the bad value unless ``n >= 1``, ``H`` is a positive multiple of ``n``
+    and ``0 <= tau < H/n`` (``TypeError`` for a value that is not an int).
+
+    The one check of these rules: :class:`ScheduleConfig` (so :class:`~lowband.diloco.StreamingDiLoCo`) and
+    the trainer's config validation both call it.
+
+    Args:
+        names: how the message calls each argument, by argument name (``num_fragments``, ``sync_every``,
+            ``delay``); the default is :data:`SCHEDULE_NAMES` (``"diloco num_fragments"`` ...). The trainer
+            passes its config keys, e.g. ``{"num_fragments": "diloco.fragments"}``, for messages such as
+            ``diloco.fragments must be >= 1; got 0``.
+    """
+    nm = {**SCHEDULE_NAMES, **(names or {})}
     for name, v in (("num_fragments", num_fragments), ("sync_every", sync_every), ("delay", delay)):
         if not isinstance(v, int) or isinstance(v, bool):
-            raise TypeError(f"diloco {name} must be an int, got {v!r}")
+            raise TypeError(f"{nm[name]} must be an int, got {v!r}")
     if num_fragments < 1:
-        raise ValueError(f"diloco num_fragments must be >= 1, got {num_fragments}")
-    if sync_every < num_fragments:
-        raise ValueError(f"diloco sync_every={sync_every} is smaller than num_fragments={num_fragments}; "
-                         "each fragment needs at least one inner step (sync_every >= num_fragments)")
-    if sync_every % num_fragments:
-        raise ValueError(f"diloco num_fragments={num_fragments} does not divide sync_every={sync_every}; "
-                         "sync_every must be a multiple of num_fragments")
+        raise ValueError(f"{nm['num_fragments']} must be >= 1; got {num_fragments}")
+    if sync_every < num_fragments or sync_every % num_fragments:
+        raise ValueError(f"{nm['sync_every']} must be a positive multiple of {nm['num_fragments']} "
+                         f"({num_fragments}); got {sync_every}")
     k = sync_every // num_fragments
     if not 0 <= delay < k:
-        raise ValueError(f"diloco delay={delay} is not in [0, sync_every/num_fragments) = [0, {k})")
+        raise ValueError(f"{nm['delay']} must be in [0, {nm['sync_every']} / {nm['num_fragments']}) = [0, {k}); "
+                         f"got {delay}")
 
 
 def actions_at(local_step: int, cfg: ScheduleConfig) -> tuple[str, ...]:

@@ -58,12 +58,13 @@ import torch
 from torch import nn
 
 from lowband.comm import Comm
-from lowband.comm.codecs import DEFAULT_BLOCK_SIZE, WIRE_CODECS, get_wire, is_lossless
+from lowband.comm.codecs import DEFAULT_BLOCK_SIZE, check_wire, get_wire, is_lossless
 from lowband.comm.compress import DEFAULT_TOPK_CHUNK, DEFAULT_TOPK_K, MESSAGE_CODECS
 from lowband.diloco.fragments import Fragment, split_fragments
 from lowband.diloco.membership import StaticMembership
 from lowband.diloco.outer import (
     OuterOptimizerFactory,
+    check_alpha,
     default_outer_optimizer,
     merge_,
     outer_step,
@@ -181,11 +182,9 @@ class StreamingDiLoCo:
         self.frags: list[Fragment] = split_fragments(model, fragments, plan=plan)
         n = len(self.frags)
         self.schedule = ScheduleConfig(n, sync_every, delay)
-        if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0.0 <= float(alpha) <= 1.0:
-            raise ValueError(f"diloco alpha={alpha!r} is not in [0, 1]")
+        check_alpha(alpha)
         self.alpha = float(alpha)
-        if wire not in WIRE_CODECS:
-            raise ValueError(f"diloco wire={wire!r} is not supported; allowed: {list(WIRE_CODECS)}")
+        check_wire(wire, what="diloco wire")
         self.codec = get_wire(wire, block_size, topk_chunk, topk_k)
         if error_feedback is not None and not isinstance(error_feedback, bool):
             raise TypeError(f"diloco error_feedback must be True, False or None (auto), got {error_feedback!r}")

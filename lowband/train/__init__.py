@@ -1,7 +1,8 @@
 """The lowband trainer: config, strategies, the training loop and the CLI (``python -m lowband.train``).
 
 ``train`` and ``TrainResult`` load lazily, so the launcher process and config errors do not pay for
-importing the training loop (torch DCP and every strategy's dependencies) before they need it.
+importing the training loop (torch DCP, checkpoints, data) before they need it. The config does import the
+strategy modules, which define the strategies' own config sections (and validate them in any case).
 """
 
 from typing import TYPE_CHECKING

@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A bad config value; the message names the field and the allowed values."""
+from lowband.train.errors import ConfigError
+from lowband.train.strategies.diloco import DilocoConfig, FtConfig
+from lowband.train.strategies.gtp import GTPConfig
+from lowband.train.strategies.sharded import ShardedConfig, SparseConfig
+from lowband.train.strategies.tp import TPConfig
 
 
 @dataclass(kw_only=True)
@@ -193,56 +195,6 @@ class StrategyConfig:
         object.__setattr__(self, key, value)
 
 
-@dataclass(kw_only=True)
-class ShardedConfig:
-    """Strategies ``sharded-adamw`` and ``sharded-muon`` (docs/sharded_optim.md)."""
-
-    param_wire_dtype: str = "float32"
-    """Updated parameters are all-gathered as float32 | bfloat16 (bf16: the owner keeps an fp32 master of
-    its slice; every rank computes with the bf16-rounded weights)."""
-
-
-@dataclass(kw_only=True)
-class SparseConfig:
-    """Row-sparse embedding-gradient exchange under ``sharded-*`` (docs/sparse.md); other strategies ignore it."""
-
-    tables: list[str] = field(default_factory=list)
-    """Tables whose gradient travels row-sparse, by the name the model plan gives them
-    (``lowband.plan.SparseTableSpec.name``; lowband's GPT: bigram | tok_emb)."""
-    mode: str = "auto"
-    """Per step: auto (whichever is cheaper in bytes) | sparse | dense."""
-
-
-@dataclass(kw_only=True)
-class GTPConfig:
-    """Strategy ``gtp``: generalized tensor parallelism (docs/gtp.md)."""
-
-    size: int = 0
-    """GTP group size (0 = the whole world); must divide the world size (the rest is data parallel)."""
-    gather: str = "native"
-    """Weight all-gather format: native | bf16 | fp8 (e4m3, per-block fp32 scales)."""
-    fp8_block: int = 32
-    """fp8 scaling block edge (block = fp8_block x fp8_block weight elements)."""
-    finalize_depth: int = 2
-    """Reduce-scatters left in flight before the oldest is finalized."""
-    optimizer: str = "adamw"
-    """adamw (torch AdamW on the row shards) | muon (Muon for the hidden matrices, routed whole to owner
-    ranks of the GTP group with two all-to-alls per step, using optim.muon_*; AdamW for the rest)."""
-    muon_bucket_mb: float = 4.0
-    """gtp.optimizer = muon: whole-matrix MB routed per pair of all-to-alls; at most two such buckets are in
-    flight, so this bounds the optimizer step's extra memory (larger: fewer, bigger collectives)."""
-
-
-@dataclass(kw_only=True)
-class TPConfig:
-    """Strategy ``tp``: tensor parallelism with TP-REKLS or AdamW (docs/rekls.md)."""
-
-    size: int = 0
-    """Tensor-parallel group size (0 = the whole world); must divide the world size (the rest is DP)."""
-    optimizer: str = "rekls"
-    """rekls (TP-REKLS on the sharded block matrices, AdamW elsewhere) | adamw."""
-
-
 MOVED_KEYS: dict[str, dict[str, str]] = {
     "strategy": {
         "param_wire_dtype": "sharded.param_wire_dtype",
@@ -266,74 +218,6 @@ def moved_key_message(section: str, key: str) -> str:
     new = MOVED_KEYS[section][key]
     nsec, nkey = new.split(".", 1)
     return f"config key '{section}.{key}' moved to '{new}' (in TOML: [{nsec}] {nkey} = ...; on the CLI: --{new}=...)"
-
-
-@dataclass(kw_only=True)
-class DilocoConfig:
-    """Streaming DiLoCo (``strategy.name = "diloco"``); see docs/diloco.md."""
-
-    num_replicas: int = 0
-    """Replica groups; 0 = one per rank. world_size / num_replicas ranks per replica train together."""
-    inner: str = "ddp"
-    """Strategy inside a replica (over its world_size / num_replicas ranks): ddp (torch DDP + AdamW) |
-    sharded-adamw | sharded-muon (lowband's sharded optimizer; [sharded], [sparse] tables) | gtp (weights
-    row-sharded over gtp.size ranks of the replica, 0 = all of them; [gtp], gtp.optimizer). docs/diloco.md."""
-    sync_every: int = 32
-    """H: inner steps between two syncs of the same fragment."""
-    fragments: int = 2
-    """n: fragments (consecutive blocks); one syncs every sync_every / fragments inner steps."""
-    delay: int = 1
-    """tau: inner steps a fragment's all-reduce overlaps, in [0, sync_every / fragments)."""
-    alpha: float = 0.0
-    """Merge weight of the local weights after a sync, in [0, 1] (0 = take the new global weights)."""
-    outer_lr: float = 0.7
-    """Learning rate of the outer SGD step on the averaged pseudo-gradient."""
-    outer_momentum: float = 0.9
-    """Momentum of the outer SGD step."""
-    outer_nesterov: bool = True
-    """Nesterov momentum in the outer step."""
-    wire: str = "fp32"
-    """Pseudo-gradient wire format: fp32 | bf16 | fp8 | int8 | int4 | int2 | topk | topk-int4 | topk-int2
-    (fp8/int8/int4/int2 with per-block fp32 scales; topk* keep topk_k of every topk_chunk values)."""
-    block_size: int = 256
-    """Elements per scale for fp8 / int8 / int4 / int2 (and the kept values of topk-int4 / topk-int2)."""
-    topk_chunk: int = 256
-    """Top-k chunk (power of two); kept positions travel as log2(topk_chunk)-bit offsets."""
-    topk_k: int = 8
-    """Values kept per top-k chunk."""
-    error_feedback: str = "auto"
-    """auto (on for int4/int2/topk*, off for fp32/bf16/fp8/int8) | on | off: keep what the codec dropped
-    and add it to the fragment's next pseudo-gradient."""
-    bucket_mb: float = 0.0
-    """Bucket cap of a fragment's outer all-reduce in MB; 0 = one bucket per fragment."""
-
-
-@dataclass(kw_only=True)
-class FtConfig:
-    """Fault-tolerant DiLoCo across separate launches (torchft; ``pip install 'lowband[ft]'``): each replica
-    group is its own ``python -m lowband.train`` / ``torchrun`` launch, possibly on its own machine; groups
-    meet through a Lighthouse (``python -m lowband.lighthouse``), may fail and return, and a returning group
-    is healed from a live peer. docs/diloco.md, "Training across machines"."""
-
-    enabled: bool = False
-    """Run this launch as one replica group of a fault-tolerant run (needs strategy.name = diloco and
-    diloco.num_replicas = 1)."""
-    lighthouse: str = ""
-    """Lighthouse URL, http://HOST:PORT; "" = the TORCHFT_LIGHTHOUSE environment variable."""
-    group: int = -1
-    """This group's index, in [0, ft.groups): its name (lowband_group_<group>) and its part of the data."""
-    groups: int = 1
-    """Replica groups the run is planned for: the data are split into this many parts, one per group."""
-    min_replicas: int = 1
-    """Groups a sync needs; with fewer alive the quorum waits (up to ft.quorum_timeout_s)."""
-    host: str = ""
-    """Address other machines reach this group at (ManagerServer, TCPStore, heal server); "" = the hostname."""
-    timeout_s: float = 60.0
-    """Cross-group collectives, commit votes and heal transfers; a hung peer costs at most this."""
-    quorum_timeout_s: float = 300.0
-    """How long a quorum may wait for ft.min_replicas groups before the run stops (exit 1)."""
-    connect_timeout_s: float = 30.0
-    """Connecting to the Lighthouse (an unreachable one stops the launch before training, exit 2) and peers."""
 
 
 @dataclass(kw_only=True)

@@ -44,6 +44,14 @@ PREFIX = "lowband.train"
 KIND_ORDER = {"input": 0, "failed": 1, "unexpected": 1, "died": 2, "peer": 3, "stopped": 4}
 
 
+class ConfigError(ValueError):
+    """A bad config value; the message names the field and the allowed values.
+
+    Defined here, in a module with no lowband imports, so that the config sections in the strategy modules
+    and :mod:`lowband.train.config` (which re-exports it) can both raise it without an import cycle.
+    """
+
+
 class StopRequested(Exception):
     """The run stopped at a step boundary because of a signal (every rank agreed on the step)."""
 
@@ -111,10 +119,11 @@ def classify(exc: BaseException, rank: int = 0, world_size: int = 1, log_path: P
     failed = _loaded_classes(("lowband.train.checkpoint", "CheckpointSaveError"),
                              ("lowband.train.guards", "NonFiniteStepError"), ("lowband.train.export", "ExportError"),
                              ("lowband.consistency", "ReplicaDivergenceError"), ("lowband.diloco.ft", "FtQuorumError"))
-    bad_input = _loaded_classes(("lowband.train.config", "ConfigError"), ("lowband.data.shards", "ShardError"),
-                                ("lowband.train.checkpoint", "CheckpointError"), ("lowband.train.lock", "LockError"),
-                                ("lowband.diloco.ft_group", "LighthouseUnreachableError"),
-                                ("lowband.diloco.ft", "FtSettingsError"))
+    bad_input = (ConfigError, *_loaded_classes(("lowband.data.shards", "ShardError"),
+                                               ("lowband.train.checkpoint", "CheckpointError"),
+                                               ("lowband.train.lock", "LockError"),
+                                               ("lowband.diloco.ft_group", "LighthouseUnreachableError"),
+                                               ("lowband.diloco.ft", "FtSettingsError")))
     peer = _loaded_classes(("lowband.train.guards", "PeerFailureError"))
     if isinstance(exc, StopRequested):
         return Outcome(128 + exc.signum, "stopped", str(exc), rank, world_size)

@@ -1,8 +1,10 @@
-"""The trainer's ``--help`` and ``--help-strategy NAME`` text, generated from :mod:`lowband.train.config`.
+"""The trainer's ``--help`` and ``--help-strategy NAME`` text, generated from the config section dataclasses.
 
-The single source of every key's description is its attribute docstring in ``lowband/train/config.py``
-(the string literal right after the field), and of every section's heading the section class's
-docstring; this module reads them from that file's source with :mod:`ast`, never from a second copy.
+The single source of every key's description is its attribute docstring (the string literal right after
+the field) in the module that defines the section's class: :mod:`lowband.train.config` for the sections
+every strategy reads, the strategy's own module (``lowband/train/strategies/<name>.py``) for a strategy's
+section; and of every section's heading the section class's docstring. This module reads them from that
+module's source with :mod:`ast`, never from a second copy.
 Types and defaults come from the dataclass fields, allowed values from :data:`~lowband.train.config.CHOICES`,
 the strategies from :func:`lowband.train.strategies.available` and each strategy's ``config_sections``.
 
@@ -17,12 +19,12 @@ import inspect
 import itertools
 import json
 import re
+import sys
 import textwrap
 import typing
 from dataclasses import dataclass
 from functools import cache
 
-from lowband.train import config as config_module
 from lowband.train import errors
 from lowband.train.config import CHOICES, Config, ConfigError
 
@@ -46,9 +48,10 @@ class KeyDoc:
 
 
 @cache
-def _source_docs() -> dict[str, tuple[str, dict[str, str]]]:
-    """``{class name: (class docstring, {field: attribute docstring})}`` from config.py's source."""
-    tree = ast.parse(inspect.getsource(config_module))
+def _module_docs(module_name: str) -> dict[str, tuple[str, dict[str, str]]]:
+    """``{class name: (class docstring, {field: attribute docstring})}`` from the source of the module
+    ``module_name`` (already imported)."""
+    tree = ast.parse(inspect.getsource(sys.modules[module_name]))
     out: dict[str, tuple[str, dict[str, str]]] = {}
     for node in tree.body:
         if not isinstance(node, ast.ClassDef):
@@ -61,6 +64,12 @@ def _source_docs() -> dict[str, tuple[str, dict[str, str]]]:
                 fields[stmt.target.id] = inspect.cleandoc(nxt.value.value)
         out[node.name] = (ast.get_docstring(node) or "", fields)
     return out
+
+
+def _class_docs(cls: type) -> tuple[str, dict[str, str]]:
+    """``(class docstring, {field: attribute docstring})`` of the section class ``cls``, read from the source
+    of the module that defines it (``("", {})`` if that source has no such class)."""
+    return _module_docs(cls.__module__).get(cls.__name__, ("", {}))
 
 
 def sections() -> dict[str, type]:
@@ -79,14 +88,14 @@ def _type_name(tp: object) -> str:
 
 def section_doc(section: str) -> str:
     """The docstring of ``section``'s class ("" if none)."""
-    return _source_docs().get(sections()[section].__name__, ("", {}))[0]
+    return _class_docs(sections()[section])[0]
 
 
 def section_keys(section: str) -> list[KeyDoc]:
     """Every key of ``section`` in field order, with type, default, docstring and allowed values."""
     cls = sections()[section]
     hints = typing.get_type_hints(cls)
-    docs = _source_docs().get(cls.__name__, ("", {}))[1]
+    docs = _class_docs(cls)[1]
     out = []
     for f in dataclasses.fields(cls):
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]

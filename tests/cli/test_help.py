@@ -77,7 +77,7 @@ def test_help_lists_every_key_with_type_default_and_doc(capsys: pytest.CaptureFi
             assert doc.startswith("      ") and doc.strip() and doc.strip() != "(no description)", \
                 f"{section}.{f.name} has no description"
             # the description is the field's attribute docstring (the single source), re-flowed
-            assert docs.get(f.name), f"{section}.{f.name} has no attribute docstring in config.py"
+            assert docs.get(f.name), f"{section}.{f.name} has no attribute docstring in {cls.__module__}"
             shown = []
             for ln in lines[idx[0] + 1:]:
                 if not ln.startswith("      "):

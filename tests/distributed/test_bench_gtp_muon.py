@@ -142,7 +142,7 @@ def _naive_vs_gtp_muon() -> dict:
 def _gtp_has_muon() -> bool:
     import dataclasses
 
-    from lowband.train.config import GTPConfig
+    from lowband.train.strategies.gtp import GTPConfig
 
     return "optimizer" in {f.name for f in dataclasses.fields(GTPConfig)}
 

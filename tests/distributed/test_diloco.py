@@ -475,7 +475,7 @@ def test_trainer_one_replica_alpha1_equals_single(shard: str) -> None:
 @pytest.mark.parametrize(("key", "value", "match"), [
     ("sync_every", 3, r"diloco.sync_every must be a positive multiple of diloco.fragments \(2\); got 3"),
     ("sync_every", 1, r"diloco.sync_every must be a positive multiple of diloco.fragments \(2\); got 1"),
-    ("delay", 2, r"diloco.delay must be in \[0, sync_every / fragments\) = \[0, 2\); got 2"),
+    ("delay", 2, r"diloco.delay must be in \[0, diloco.sync_every / diloco.fragments\) = \[0, 2\); got 2"),
     ("delay", -1, r"diloco.delay must be in"),
     ("fragments", 0, r"diloco.fragments must be >= 1; got 0"),
     ("alpha", 1.5, r"diloco.alpha must be in \[0, 1\]"),
@@ -484,6 +484,10 @@ def test_trainer_one_replica_alpha1_equals_single(shard: str) -> None:
     ("topk_k", 0, r"diloco.topk_k must be in \[1, diloco.topk_chunk = 256\]; got 0"),
     ("error_feedback", "yes", "diloco.error_feedback must be one of auto, on, off; got 'yes'"),
     ("num_replicas", 3, "diloco.num_replicas must be 0"),
+    ("block_size", 10, r"^diloco.block_size must be a positive multiple of 4; got 10$"),
+    ("outer_lr", 0.0, r"^diloco.outer_lr must be > 0; got 0.0$"),
+    ("outer_momentum", -0.5, r"^diloco.outer_momentum must be >= 0; got -0.5$"),
+    ("bucket_mb", -1.0, r"^diloco.bucket_mb must be >= 0; got -1.0$"),
 ])
 def test_trainer_config_errors(shard: str, key: str, value: object, match: str) -> None:
     from lowband.train.config import ConfigError, validate

@@ -44,12 +44,12 @@ def test_actions_at() -> None:
 
 
 @pytest.mark.parametrize(("n", "h", "tau", "match"), [
-    (2, 1, 0, r"sync_every=1 is smaller than num_fragments=2"),
-    (3, 0, 0, r"sync_every=0 is smaller than num_fragments=3"),
-    (3, 8, 0, r"num_fragments=3 does not divide sync_every=8"),
-    (2, 8, 4, r"delay=4 is not in \[0, sync_every/num_fragments\) = \[0, 4\)"),
-    (2, 8, -1, r"delay=-1 is not in"),
-    (0, 8, 0, r"num_fragments must be >= 1, got 0"),
+    (2, 1, 0, r"^diloco sync_every must be a positive multiple of diloco num_fragments \(2\); got 1$"),
+    (3, 0, 0, r"sync_every must be a positive multiple of diloco num_fragments \(3\); got 0"),
+    (3, 8, 0, r"sync_every must be a positive multiple of diloco num_fragments \(3\); got 8"),
+    (2, 8, 4, r"^diloco delay must be in \[0, diloco sync_every / diloco num_fragments\) = \[0, 4\); got 4$"),
+    (2, 8, -1, r"delay must be in .*; got -1$"),
+    (0, 8, 0, r"^diloco num_fragments must be >= 1; got 0$"),
 ])
 def test_schedule_validation(n: int, h: int, tau: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -108,16 +108,17 @@ def _make(**kw):
 
 
 @pytest.mark.parametrize(("kw", "exc", "match"), [
-    (dict(sync_every=1, fragments=2), ValueError, "sync_every=1 is smaller than num_fragments=2"),
-    (dict(sync_every=6, fragments=4), ValueError, "num_fragments=4 does not divide sync_every=6"),
-    (dict(sync_every=4, fragments=2, delay=2), ValueError, r"delay=2 is not in \[0, sync_every/num"),
-    (dict(sync_every=4, delay=-1), ValueError, "delay=-1"),
-    (dict(sync_every=4, alpha=1.5), ValueError, r"alpha=1.5 is not in \[0, 1\]"),
-    (dict(sync_every=4, alpha=-0.1), ValueError, r"alpha=-0.1 is not in \[0, 1\]"),
+    (dict(sync_every=1, fragments=2), ValueError, r"sync_every must be a positive multiple of .* \(2\); got 1$"),
+    (dict(sync_every=6, fragments=4), ValueError, r"sync_every must be a positive multiple of .* \(4\); got 6$"),
+    (dict(sync_every=4, fragments=2, delay=2), ValueError,
+     r"delay must be in \[0, diloco sync_every / diloco num_fragments\) = \[0, 2\); got 2$"),
+    (dict(sync_every=4, delay=-1), ValueError, "delay must be in .*; got -1"),
+    (dict(sync_every=4, alpha=1.5), ValueError, r"^diloco alpha must be in \[0, 1\]; got 1.5$"),
+    (dict(sync_every=4, alpha=-0.1), ValueError, r"alpha must be in \[0, 1\]; got -0.1"),
     (dict(sync_every=4, fragments=2, outer_optimizer=[lambda p: torch.optim.SGD(p, lr=1.0)] * 3),
      ValueError, r"outer_optimizer: got a list of 3, expected one per fragment \(2\)"),
-    (dict(sync_every=4, wire="fp4"), ValueError, r"wire='fp4' is not supported; allowed: \['fp64', 'fp32'"),
-    (dict(sync_every=4, wire="int8", block_size=10), ValueError, "block_size must be a positive multiple"),
+    (dict(sync_every=4, wire="fp4"), ValueError, r"^diloco wire must be one of fp64, fp32, bf16, .*; got 'fp4'$"),
+    (dict(sync_every=4, wire="int8", block_size=10), ValueError, "block_size must be a positive multiple of 4; got 10"),
     (dict(sync_every=4, bucket_cap_mb=0), ValueError, "bucket_cap_mb=0 must be a positive number"),
     (dict(sync_every=4, outer_optimizer=3), TypeError, "outer_optimizer must be None, a callable"),
     (dict(sync_every=4.0), TypeError, "sync_every must be an int"),

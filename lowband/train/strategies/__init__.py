@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 
+from lowband.train.errors import ConfigError
 from lowband.train.strategies.base import Strategy
 
 _REGISTRY: dict[str, type[Strategy]] = {}
@@ -45,8 +46,6 @@ def available() -> list[str]:
 
 
 def get_strategy_class(name: str) -> type[Strategy]:
-    from lowband.train.config import ConfigError
-
     _load()
     if name not in _REGISTRY:
         raise ConfigError(f"strategy.name must be one of {', '.join(sorted(_REGISTRY))}; got {name!r}")

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from lowband.plan import ModelPlan, plan_for
+from lowband.train.errors import ConfigError
 from lowband.train.forward import lm_loss
 
 if TYPE_CHECKING:
@@ -68,8 +69,6 @@ class Strategy:
     @classmethod
     def validate_config(cls, cfg: Config, world_size: int) -> None:
         """Raise ``ConfigError`` if this strategy cannot run ``cfg`` on ``world_size`` ranks."""
-        from lowband.train.config import ConfigError
-
         if world_size < cls.min_world_size or (cls.max_world_size is not None
                                                 and world_size > cls.max_world_size):
             hi = "any" if cls.max_world_size is None else str(cls.max_world_size)

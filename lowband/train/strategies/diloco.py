@@ -52,15 +52,20 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from lowband.comm.codecs import WIRE_CODECS
-from lowband.diloco import StreamingDiLoCo, split_fragments
+from lowband.comm.codecs import WIRE_CODECS, check_wire
+from lowband.comm.compress import check_block_size, check_topk
+from lowband.diloco import StreamingDiLoCo, outer_sgd, split_fragments
+from lowband.diloco.outer import check_alpha, check_outer_sgd
+from lowband.diloco.schedule import validate_schedule
 from lowband.diloco.state import GTPShardLayout
 from lowband.parallel.mesh import build_mesh
+from lowband.train.errors import ConfigError
 from lowband.train.strategies import get_strategy_class, register_strategy
 from lowband.train.strategies.base import Strategy
 
@@ -72,10 +77,92 @@ INNER = ("ddp", "sharded-adamw", "sharded-muon", "gtp")
 list, the config's choices and the registry agree)."""
 
 
+@dataclass(kw_only=True)
+class DilocoConfig:
+    """Streaming DiLoCo (``strategy.name = "diloco"``); see docs/diloco.md."""
+
+    num_replicas: int = 0
+    """Replica groups; 0 = one per rank. world_size / num_replicas ranks per replica train together."""
+    inner: str = "ddp"
+    """Strategy inside a replica (over its world_size / num_replicas ranks): ddp (torch DDP + AdamW) |
+    sharded-adamw | sharded-muon (lowband's sharded optimizer; [sharded], [sparse] tables) | gtp (weights
+    row-sharded over gtp.size ranks of the replica, 0 = all of them; [gtp], gtp.optimizer). docs/diloco.md."""
+    sync_every: int = 32
+    """H: inner steps between two syncs of the same fragment."""
+    fragments: int = 2
+    """n: fragments (consecutive blocks); one syncs every sync_every / fragments inner steps."""
+    delay: int = 1
+    """tau: inner steps a fragment's all-reduce overlaps, in [0, sync_every / fragments)."""
+    alpha: float = 0.0
+    """Merge weight of the local weights after a sync, in [0, 1] (0 = take the new global weights)."""
+    outer_lr: float = 0.7
+    """Learning rate of the outer SGD step on the averaged pseudo-gradient."""
+    outer_momentum: float = 0.9
+    """Momentum of the outer SGD step."""
+    outer_nesterov: bool = True
+    """Nesterov momentum in the outer step."""
+    wire: str = "fp32"
+    """Pseudo-gradient wire format: fp32 | bf16 | fp8 | int8 | int4 | int2 | topk | topk-int4 | topk-int2
+    (fp8/int8/int4/int2 with per-block fp32 scales; topk* keep topk_k of every topk_chunk values)."""
+    block_size: int = 256
+    """Elements per scale for fp8 / int8 / int4 / int2 (and the kept values of topk-int4 / topk-int2)."""
+    topk_chunk: int = 256
+    """Top-k chunk (power of two); kept positions travel as log2(topk_chunk)-bit offsets."""
+    topk_k: int = 8
+    """Values kept per top-k chunk."""
+    error_feedback: str = "auto"
+    """auto (on for int4/int2/topk*, off for fp32/bf16/fp8/int8) | on | off: keep what the codec dropped
+    and add it to the fragment's next pseudo-gradient."""
+    bucket_mb: float = 0.0
+    """Bucket cap of a fragment's outer all-reduce in MB; 0 = one bucket per fragment."""
+
+
+@dataclass(kw_only=True)
+class FtConfig:
+    """Fault-tolerant DiLoCo across separate launches (torchft; ``pip install 'lowband[ft]'``): each replica
+    group is its own ``python -m lowband.train`` / ``torchrun`` launch, possibly on its own machine; groups
+    meet through a Lighthouse (``python -m lowband.lighthouse``), may fail and return, and a returning group
+    is healed from a live peer. docs/diloco.md, "Training across machines"."""
+
+    enabled: bool = False
+    """Run this launch as one replica group of a fault-tolerant run (needs strategy.name = diloco and
+    diloco.num_replicas = 1)."""
+    lighthouse: str = ""
+    """Lighthouse URL, http://HOST:PORT; "" = the TORCHFT_LIGHTHOUSE environment variable."""
+    group: int = -1
+    """This group's index, in [0, ft.groups): its name (lowband_group_<group>) and its part of the data."""
+    groups: int = 1
+    """Replica groups the run is planned for: the data are split into this many parts, one per group."""
+    min_replicas: int = 1
+    """Groups a sync needs; with fewer alive the quorum waits (up to ft.quorum_timeout_s)."""
+    host: str = ""
+    """Address other machines reach this group at (ManagerServer, TCPStore, heal server); "" = the hostname."""
+    timeout_s: float = 60.0
+    """Cross-group collectives, commit votes and heal transfers; a hung peer costs at most this."""
+    quorum_timeout_s: float = 300.0
+    """How long a quorum may wait for ft.min_replicas groups before the run stops (exit 1)."""
+    connect_timeout_s: float = 30.0
+    """Connecting to the Lighthouse (an unreachable one stops the launch before training, exit 2) and peers."""
+
+
+SCHEDULE_KEYS = {"num_fragments": "diloco.fragments", "sync_every": "diloco.sync_every", "delay": "diloco.delay"}
+"""The config keys of :func:`lowband.diloco.schedule.validate_schedule`'s arguments (its messages name them)."""
+
+
+@contextlib.contextmanager
+def library_check() -> Iterator[None]:
+    """Run a library validator called with the config's key names: its ``ValueError`` / ``TypeError`` (one line
+    naming the key) becomes a :class:`ConfigError` with the same message."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from e
+
+
 def inner_class(cfg: Any) -> type[Strategy]:
     """The strategy class of ``diloco.inner`` (``ConfigError`` naming the choices for another name)."""
-    from lowband.train.config import ConfigError
-
     if cfg.diloco.inner not in INNER:
         raise ConfigError(f"diloco.inner must be one of {', '.join(INNER)}; got {cfg.diloco.inner!r}")
     return get_strategy_class(cfg.diloco.inner)
@@ -97,8 +184,6 @@ def lighthouse_url(cfg: Any) -> str:
 def validate_ft(cfg: Any) -> None:
     """The ``[ft]`` section of a fault-tolerant launch (local checks, before any process group)."""
     import importlib.util
-
-    from lowband.train.config import ConfigError
 
     f = cfg.ft
     if cfg.diloco.num_replicas != 1:
@@ -155,39 +240,26 @@ class DilocoStrategy(Strategy):
 
     @classmethod
     def validate_config(cls, cfg, world_size: int) -> None:
-        from lowband.train.config import ConfigError
-
         super().validate_config(cfg, world_size)
         d = cfg.diloco
         replicas = d.num_replicas or world_size
         if d.num_replicas < 0 or world_size % replicas:
             raise ConfigError(f"diloco.num_replicas must be 0 (one per rank) or a divisor of run.world_size "
                               f"({world_size}); got {d.num_replicas}")
-        if d.fragments < 1:
-            raise ConfigError(f"diloco.fragments must be >= 1; got {d.fragments}")
-        if d.sync_every < d.fragments or d.sync_every % d.fragments:
-            raise ConfigError(f"diloco.sync_every must be a positive multiple of diloco.fragments "
-                              f"({d.fragments}); got {d.sync_every}")
-        if not 0 <= d.delay < d.sync_every // d.fragments:
-            raise ConfigError(f"diloco.delay must be in [0, sync_every / fragments) = "
-                              f"[0, {d.sync_every // d.fragments}); got {d.delay}")
-        if not 0.0 <= d.alpha <= 1.0:
-            raise ConfigError(f"diloco.alpha must be in [0, 1]; got {d.alpha}")
-        if d.wire not in WIRES:
-            raise ConfigError(f"diloco.wire must be one of {', '.join(WIRES)}; got {d.wire!r}")
-        if d.block_size <= 0 or d.block_size % 4:
-            raise ConfigError(f"diloco.block_size must be a positive multiple of 4; got {d.block_size}")
-        c = d.topk_chunk
-        if c < 2 or c > 65536 or c & (c - 1):
-            raise ConfigError(f"diloco.topk_chunk must be a power of two in [2, 65536]; got {c}")
-        if not 1 <= d.topk_k <= c:
-            raise ConfigError(f"diloco.topk_k must be in [1, diloco.topk_chunk = {c}]; got {d.topk_k}")
+        with library_check():  # the rules StreamingDiLoCo and its codecs enforce, by their own validators
+            validate_schedule(d.fragments, d.sync_every, d.delay, names=SCHEDULE_KEYS)
+            check_alpha(d.alpha, name="diloco.alpha")
+            check_wire(d.wire, allowed=WIRES, what="diloco.wire")
+            check_block_size(d.block_size, name="diloco.block_size")
+            check_topk(d.topk_chunk, d.topk_k, names={"topk_chunk": "diloco.topk_chunk", "topk_k": "diloco.topk_k"})
         if d.error_feedback not in ERROR_FEEDBACK:
             raise ConfigError(f"diloco.error_feedback must be one of {', '.join(ERROR_FEEDBACK)}; "
                               f"got {d.error_feedback!r}")
-        if d.outer_lr <= 0 or d.outer_momentum < 0 or d.bucket_mb < 0:
-            raise ConfigError("diloco.outer_lr must be > 0, diloco.outer_momentum and diloco.bucket_mb >= 0; "
-                              f"got {d.outer_lr}, {d.outer_momentum}, {d.bucket_mb}")
+        with library_check():
+            check_outer_sgd(d.outer_lr, d.outer_momentum,
+                            names={"lr": "diloco.outer_lr", "momentum": "diloco.outer_momentum"})
+        if d.bucket_mb < 0:  # 0 = one bucket per fragment (StreamingDiLoCo's bucket_cap_mb = None)
+            raise ConfigError(f"diloco.bucket_mb must be >= 0; got {d.bucket_mb}")
         cls._validate_inner(cfg, world_size // replicas)
         if cfg.ft.enabled:
             validate_ft(cfg)
@@ -196,8 +268,6 @@ class DilocoStrategy(Strategy):
     def _validate_inner(cfg, per_replica: int) -> None:
         """``diloco.inner`` and the settings of the strategy inside a replica of ``per_replica`` ranks (its
         :meth:`Strategy.validate_inner`)."""
-        from lowband.train.config import ConfigError
-
         inner_cls = inner_class(cfg)
         if cfg.sparse.tables and not inner_cls.sparse_rows:
             raise ConfigError(f"sparse.tables = {list(cfg.sparse.tables)} needs diloco.inner = "
@@ -210,8 +280,6 @@ class DilocoStrategy(Strategy):
         """Build the replica x dp x gtp mesh, set the inner strategy up on it, then Streaming DiLoCo on the
         replica axis. Collectives: the mesh's groups, the inner strategy's initial sync, DiLoCo's
         settings check and initial broadcast over the replica group."""
-        from lowband.train.config import ConfigError
-
         d = self.cfg.diloco
         world = self.env.world_size
         replicas = d.num_replicas or world
@@ -242,14 +310,11 @@ class DilocoStrategy(Strategy):
             fragments.append([params[n] for n in whole + [n for n in names if n in shards.weights]])
             breaks.append([sum(params[n].numel() for n in whole)])
 
-        def outer(params: list) -> torch.optim.Optimizer:
-            return torch.optim.SGD(params, lr=d.outer_lr, momentum=d.outer_momentum,
-                                   nesterov=d.outer_nesterov and d.outer_momentum > 0)
-
         membership = self._ft_membership(inner) if self.cfg.ft.enabled else None
         self.diloco = StreamingDiLoCo(inner.unwrapped(), self.optimizer, comm=self.mesh.replica,
                                       sync_every=d.sync_every, fragments=fragments, delay=d.delay, alpha=d.alpha,
-                                      outer_optimizer=outer, wire=d.wire, block_size=d.block_size,
+                                      outer_optimizer=outer_sgd(d.outer_lr, d.outer_momentum, d.outer_nesterov),
+                                      wire=d.wire, block_size=d.block_size,
                                       topk_chunk=d.topk_chunk, topk_k=d.topk_k,
                                       error_feedback=ERROR_FEEDBACK[d.error_feedback],
                                       bucket_cap_mb=d.bucket_mb or None,

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -62,6 +63,7 @@ from lowband.parallel.gtp_state import GTPStateLayout
 from lowband.parallel.init_sync import sync_module_state
 from lowband.parallel.mesh import ParallelMesh, build_mesh
 from lowband.plan import muon_split
+from lowband.train.errors import ConfigError
 from lowband.train.optimizers import adamw_param_groups, torch_adamw
 from lowband.train.strategies import register_strategy
 from lowband.train.strategies.base import Strategy
@@ -70,14 +72,32 @@ from lowband.train.strategies.sharded import muon_ns_dtype
 _WIRE = {"float32": None, "bfloat16": torch.bfloat16, "fp8": "fp8"}  # fp8: block-scaled reduce-scatter
 
 
+@dataclass(kw_only=True)
+class GTPConfig:
+    """Strategy ``gtp``: generalized tensor parallelism (docs/gtp.md)."""
+
+    size: int = 0
+    """GTP group size (0 = the whole world); must divide the world size (the rest is data parallel)."""
+    gather: str = "native"
+    """Weight all-gather format: native | bf16 | fp8 (e4m3, per-block fp32 scales)."""
+    fp8_block: int = 32
+    """fp8 scaling block edge (block = fp8_block x fp8_block weight elements)."""
+    finalize_depth: int = 2
+    """Reduce-scatters left in flight before the oldest is finalized."""
+    optimizer: str = "adamw"
+    """adamw (torch AdamW on the row shards) | muon (Muon for the hidden matrices, routed whole to owner
+    ranks of the GTP group with two all-to-alls per step, using optim.muon_*; AdamW for the rest)."""
+    muon_bucket_mb: float = 4.0
+    """gtp.optimizer = muon: whole-matrix MB routed per pair of all-to-alls; at most two such buckets are in
+    flight, so this bounds the optimizer step's extra memory (larger: fewer, bigger collectives)."""
+
+
 def check_gtp_model(model: nn.Module, where: str) -> None:
     """``ConfigError`` (every rank alike, no communication) if ``model`` has no ``nn.Linear`` for GTP to
     shard (embeddings and a head tied to one, which stays replicated, do not make a GTP model: its
     projections would stay replicated), naming the modules its other 2-D weights sit in (e.g.
     ``transformers``' ``Conv1D``)."""
     from lowband.plan import tied_groups
-    from lowband.train.config import ConfigError
-
     tied = {n for g in tied_groups(model) for n in g}  # a tied linear (a head tied to the embedding) stays whole
     if any(isinstance(m, nn.Linear) and f"{name}.weight" not in tied for name, m in model.named_modules()):
         return
@@ -106,8 +126,6 @@ class GTPStrategy(Strategy):
     @classmethod
     def validate_inner(cls, cfg, per_replica: int) -> None:
         """``gtp.size`` divides the replica; the ``gtp`` section's checks on a world of one replica."""
-        from lowband.train.config import ConfigError
-
         g = cfg.gtp.size
         if g < 0 or (g and per_replica % g):
             raise ConfigError(f"gtp.size must be 0 (the whole replica) or a divisor of run.world_size / "
@@ -124,8 +142,6 @@ class GTPStrategy(Strategy):
 
     @classmethod
     def validate_config(cls, cfg, world_size: int) -> None:
-        from lowband.train.config import ConfigError
-
         super().validate_config(cfg, world_size)
         s = cfg.gtp
         if s.size < 0 or (s.size and world_size % s.size):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from lowband.optim.sharded_state import ShardedStateLayout
 from lowband.optim.sparse_rows import sparse_tables_from_plan
 from lowband.parallel.mesh import ParallelMesh
 from lowband.plan import muon_split
+from lowband.train.errors import ConfigError
 from lowband.train.optimizers import adamw_param_groups
 from lowband.train.strategies import register_strategy
 from lowband.train.strategies.base import Strategy
@@ -40,12 +42,30 @@ from lowband.train.strategies.base import Strategy
 _WIRE = {"float32": None, "bfloat16": torch.bfloat16, "fp8": "fp8"}  # fp8: block-scaled (codec_reduce_scatter)
 
 
+@dataclass(kw_only=True)
+class ShardedConfig:
+    """Strategies ``sharded-adamw`` and ``sharded-muon`` (docs/sharded_optim.md)."""
+
+    param_wire_dtype: str = "float32"
+    """Updated parameters are all-gathered as float32 | bfloat16 (bf16: the owner keeps an fp32 master of
+    its slice; every rank computes with the bf16-rounded weights)."""
+
+
+@dataclass(kw_only=True)
+class SparseConfig:
+    """Row-sparse embedding-gradient exchange under ``sharded-*`` (docs/sparse.md); other strategies ignore it."""
+
+    tables: list[str] = field(default_factory=list)
+    """Tables whose gradient travels row-sparse, by the name the model plan gives them
+    (``lowband.plan.SparseTableSpec.name``; lowband's GPT: bigram | tok_emb)."""
+    mode: str = "auto"
+    """Per step: auto (whichever is cheaper in bytes) | sparse | dense."""
+
+
 def check_gpt_sparse_tables(cfg: Any) -> None:
     """``sparse.tables`` of lowband's GPT (``model.factory`` empty): only its ``bigram`` and ``tok_emb`` tables,
     the bigram table only when it exists. A factory model's tables are checked against its plan at set-up
     (:func:`lowband.optim.sparse_rows.sparse_tables_from_plan`, every rank alike, before any collective)."""
-    from lowband.train.config import ConfigError
-
     for t in cfg.sparse.tables if not cfg.model.factory else ():
         if t not in ("bigram", "tok_emb"):
             raise ConfigError(f"sparse.tables: {t!r} is not allowed; allowed: bigram, tok_emb")
@@ -70,8 +90,6 @@ class _ShardedBase(Strategy):
     def validate_inner(cls, cfg: Any, per_replica: int) -> None:
         """An fp32 master copy of the owned slices (kept for bf16 gathers or bf16 parameters) would not see the
         weights DiLoCo writes at every sync (the next inner step would overwrite them from it): refused."""
-        from lowband.train.config import ConfigError
-
         where = f"diloco.inner = {cls.name}"
         if cfg.sharded.param_wire_dtype != "float32":
             raise ConfigError(f"sharded.param_wire_dtype = {cfg.sharded.param_wire_dtype} is not supported with "

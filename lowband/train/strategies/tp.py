@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -35,9 +36,20 @@ from lowband.parallel.tensor import TPInputGather
 from lowband.parallel.tp_shard import shard_tp
 from lowband.plan import plan_for
 from lowband.sharding import placement_of
+from lowband.train.errors import ConfigError
 from lowband.train.optimizers import torch_adamw
 from lowband.train.strategies import register_strategy
 from lowband.train.strategies.base import Strategy
+
+
+@dataclass(kw_only=True)
+class TPConfig:
+    """Strategy ``tp``: tensor parallelism with TP-REKLS or AdamW (docs/rekls.md)."""
+
+    size: int = 0
+    """Tensor-parallel group size (0 = the whole world); must divide the world size (the rest is DP)."""
+    optimizer: str = "rekls"
+    """rekls (TP-REKLS on the sharded block matrices, AdamW elsewhere) | adamw."""
 
 
 def shard_gpt_tp(model: nn.Module, comm: Comm) -> nn.Module:
@@ -61,8 +73,6 @@ class TPStrategy(Strategy):
 
     @classmethod
     def validate_config(cls, cfg, world_size: int) -> None:
-        from lowband.train.config import ConfigError
-
         super().validate_config(cfg, world_size)
         s, m = cfg.tp, cfg.model
         tp = s.size or world_size
