@@ -1203,7 +1203,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         a float32 scalar; see :mod:`lowband.optim.sharded_state`. torch's
         ``get_state_dict(model, opt)`` / ``set_state_dict`` and ``dcp.save`` / ``dcp.load`` work on it,
         and reshard it to any world size. Every trainable parameter has an entry (what its first step
-        would create if it has not stepped). Communication: one ``all_to_all`` per state dtype over the state
+        would create if it has not stepped). Communication: one ``all_to_all`` per unit over the state
         group (``tag="state"``): each element moves once from the rank that owns it to the rank whose
         ``Shard(0)`` chunk holds it, never a gather (:mod:`lowband.optim.sharded_exchange`); one rank, or a
         0-d parameter, takes the gathered path. :meth:`load_state_dict` of this form is the same exchange
@@ -1301,7 +1301,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         ``Shard(0)`` DTensors of this world size holding every state key of every parameter (what
         :meth:`state_dict` returns, or its template filled by ``dcp.load``) are exchanged back to their
-        owners with one ``all_to_all`` per dtype; other DTensors are gathered (one all-gather per dtype,
+        owners with one ``all_to_all`` per unit; other DTensors are gathered (one all-gather per dtype,
         ``tag="state"``)."""
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError("ShardedOptimizer.load_state_dict: expected a dict with 'state' and 'param_groups'")

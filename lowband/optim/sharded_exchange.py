@@ -5,10 +5,10 @@
 Its torch-API :meth:`~lowband.optim.sharded.ShardedOptimizer.state_dict` describes every state tensor as a
 ``Shard(0)`` ``DTensor`` of the parameter's shape: rank ``r`` holds ``torch.chunk(full, N, 0)[r]``. The two
 layouts cut the same elements differently, so each element moves from its owner to its ``Shard(0)`` holder
-exactly once, in one ``all_to_all`` (variable splits) per state dtype over the optimizer's state group
-(``tag="state"``); :func:`load_shard0` is the same exchange backwards. Memory: this rank's owned state, the
-send and receive buffers and its ``Shard(0)`` chunks, each about ``1/N`` of the whole (the gathered form
-held the whole state on every rank). Wire bytes per rank: the elements it owns that another rank's
+exactly once, in one ``all_to_all`` (variable splits) per unit over the optimizer's state group
+(``tag="state"``); :func:`load_shard0` is the same exchange backwards. Memory beyond the result (this rank's
+``Shard(0)`` chunks, about ``1/N`` of the state): one unit's send and receive buffers at a time (the gathered
+form held the whole state on every rank). Wire bytes per rank: the elements it owns that another rank's
 chunk holds (at most its owned state).
 
 What moves, per unit (in unit order, then member order, then key order, identically on every rank):
@@ -88,56 +88,54 @@ def _owned_state(opt: ShardedOptimizer, ui: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _units_by_dtype(opt: ShardedOptimizer) -> dict[torch.dtype, list[int]]:
-    out: dict[torch.dtype, list[int]] = {}
-    for ui, unit in enumerate(opt._units):
-        out.setdefault(unit.grad_shard.dtype, []).append(ui)
-    return out
+def _exchange(comm: Any, sends: list[list[torch.Tensor]], recv_sizes: list[int], dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+    """One ``all_to_all`` (variable splits, ``tag="state"``): ``sends[r]`` concatenated to rank ``r``; returns
+    what every rank sent here, in rank order."""
+    send_sizes = [sum(t.numel() for t in parts) for parts in sends]
+    send = (torch.cat([t.reshape(-1) for parts in sends for t in parts]) if sum(send_sizes)
+            else torch.empty(0, dtype=dtype, device=device))
+    recv = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
+    comm.all_to_all(recv, send, recv_sizes, send_sizes, tag="state")
+    return recv
 
 
 @torch.no_grad()
 def to_shard0(opt: ShardedOptimizer) -> dict[int, dict[str, torch.Tensor]]:
     """``{param index: {key: this rank's Shard(0) chunk}}`` for every member of every unit (collective:
-    one ``all_to_all`` per state dtype over the state group, ``tag="state"``)."""
+    one ``all_to_all`` per unit over the state group, ``tag="state"``, so the transient buffers are one
+    unit's, never the whole state)."""
     comm, n, me = opt._state_comm, opt.comm.size, opt.comm.rank
     out: dict[int, dict[str, torch.Tensor]] = {}
-    for dtype, uis in _units_by_dtype(opt).items():
-        dev = opt._units[uis[0]].grad_shard.device
-        owned = {ui: _owned_state(opt, ui) for ui in uis}
+    for ui, unit in enumerate(opt._units):
+        lay, dtype, dev = unit.layout, unit.grad_shard.dtype, unit.grad_shard.device
+        keys = state_keys(opt, ui)
+        owned = _owned_state(opt, ui)
+        base = lay.owner_range(me)[0]
         sends: list[list[torch.Tensor]] = [[] for _ in range(n)]
         recv_sizes = [0] * n
-        for ui in uis:
-            lay = opt._units[ui].layout
-            base = lay.owner_range(me)[0]
-            for mi, m in enumerate(lay.members):
-                rows = m.shape[0] if len(m.shape) else 1
-                lo, hi = chunk_rows(rows, n, me)
-                out[m.index] = {key: torch.empty((hi - lo, *m.shape[1:]), dtype=dtype, device=dev)
-                                for key in state_keys(opt, ui)}
-                for r in range(n):
-                    a, b = _segment(lay, mi, me, r)
-                    if a < b:
-                        sends[r].extend(owned[ui][key][a - base:b - base] for key in state_keys(opt, ui))
-                    a, b = _segment(lay, mi, r, me)
-                    if a < b:
-                        recv_sizes[r] += (b - a) * len(state_keys(opt, ui))
-        send_sizes = [sum(t.numel() for t in parts) for parts in sends]
-        send = torch.cat([t for parts in sends for t in parts]) if sum(send_sizes) else torch.empty(
-            0, dtype=dtype, device=dev)
-        recv = torch.empty(sum(recv_sizes), dtype=dtype, device=dev)
-        comm.all_to_all(recv, send, recv_sizes, send_sizes, tag="state")
+        for mi, m in enumerate(lay.members):
+            lo, hi = chunk_rows(m.shape[0], n, me)
+            out[m.index] = {key: torch.empty((hi - lo, *m.shape[1:]), dtype=dtype, device=dev) for key in keys}
+            for r in range(n):
+                a, b = _segment(lay, mi, me, r)
+                if a < b:
+                    sends[r].extend(owned[key][a - base:b - base] for key in keys)
+                a, b = _segment(lay, mi, r, me)
+                if a < b:
+                    recv_sizes[r] += (b - a) * len(keys)
+        recv = _exchange(comm, sends, recv_sizes, dtype, dev)
+        del sends, owned
         pos = 0
         for r in range(n):
-            for ui in uis:
-                lay = opt._units[ui].layout
-                for mi, m in enumerate(lay.members):
-                    a, b = _segment(lay, mi, r, me)
-                    if a >= b:
-                        continue
-                    h_lo = _held(lay, mi, me)[0]
-                    for key in state_keys(opt, ui):
-                        out[m.index][key].view(-1)[a - h_lo:b - h_lo].copy_(recv[pos:pos + b - a])
-                        pos += b - a
+            for mi, m in enumerate(lay.members):
+                a, b = _segment(lay, mi, r, me)
+                if a >= b:
+                    continue
+                h_lo = _held(lay, mi, me)[0]
+                for key in keys:
+                    out[m.index][key].view(-1)[a - h_lo:b - h_lo].copy_(recv[pos:pos + b - a])
+                    pos += b - a
     return out
 
 
@@ -167,42 +165,35 @@ def shard0_ready(opt: ShardedOptimizer, state: dict[int, dict[str, Any]]) -> boo
 @torch.no_grad()
 def load_shard0(opt: ShardedOptimizer, state: dict[int, dict[str, Any]]) -> dict[int, dict[str, torch.Tensor]]:
     """The inverse of :func:`to_shard0`: ``{unit index: {key: this rank's owned state, 1-D}}`` from ``Shard(0)``
-    chunks (``state`` as :func:`shard0_ready` accepts it; collective, one ``all_to_all`` per state dtype)."""
+    chunks (``state`` as :func:`shard0_ready` accepts it; collective, one ``all_to_all`` per unit)."""
     comm, n, me = opt._state_comm, opt.comm.size, opt.comm.rank
     out: dict[int, dict[str, torch.Tensor]] = {}
-    for dtype, uis in _units_by_dtype(opt).items():
-        dev = opt._units[uis[0]].grad_shard.device
+    for ui, unit in enumerate(opt._units):
+        lay, dtype, dev = unit.layout, unit.grad_shard.dtype, unit.grad_shard.device
+        keys = state_keys(opt, ui)
+        lo, hi = _owned(lay, me)
+        out[ui] = {key: torch.zeros(hi - lo, dtype=dtype, device=dev) for key in keys}
         sends: list[list[torch.Tensor]] = [[] for _ in range(n)]
         recv_sizes = [0] * n
-        for ui in uis:
-            lay = opt._units[ui].layout
-            lo, hi = _owned(lay, me)
-            out[ui] = {key: torch.zeros(hi - lo, dtype=dtype, device=dev) for key in state_keys(opt, ui)}
-            for mi, m in enumerate(lay.members):
-                h_lo = _held(lay, mi, me)[0]
-                locals_ = {key: state[m.index][key].to_local().reshape(-1) for key in state_keys(opt, ui)}
-                for r in range(n):
-                    a, b = _segment(lay, mi, r, me)
-                    if a < b:
-                        sends[r].extend(locals_[key][a - h_lo:b - h_lo].to(dtype) for key in state_keys(opt, ui))
-                    a, b = _segment(lay, mi, me, r)
-                    if a < b:
-                        recv_sizes[r] += (b - a) * len(state_keys(opt, ui))
-        send_sizes = [sum(t.numel() for t in parts) for parts in sends]
-        send = torch.cat([t for parts in sends for t in parts]) if sum(send_sizes) else torch.empty(
-            0, dtype=dtype, device=dev)
-        recv = torch.empty(sum(recv_sizes), dtype=dtype, device=dev)
-        comm.all_to_all(recv, send, recv_sizes, send_sizes, tag="state")
+        for mi, m in enumerate(lay.members):
+            h_lo = _held(lay, mi, me)[0]
+            held = {key: state[m.index][key].to_local().reshape(-1) for key in keys}
+            for r in range(n):
+                a, b = _segment(lay, mi, r, me)
+                if a < b:
+                    sends[r].extend(held[key][a - h_lo:b - h_lo].to(dtype) for key in keys)
+                a, b = _segment(lay, mi, me, r)
+                if a < b:
+                    recv_sizes[r] += (b - a) * len(keys)
+        recv = _exchange(comm, sends, recv_sizes, dtype, dev)
+        del sends
         pos = 0
         for r in range(n):
-            for ui in uis:
-                lay = opt._units[ui].layout
-                base = lay.owner_range(me)[0]
-                for mi in range(len(lay.members)):
-                    a, b = _segment(lay, mi, me, r)
-                    if a >= b:
-                        continue
-                    for key in state_keys(opt, ui):
-                        out[ui][key][a - base:b - base].copy_(recv[pos:pos + b - a])
-                        pos += b - a
+            for mi in range(len(lay.members)):
+                a, b = _segment(lay, mi, me, r)
+                if a >= b:
+                    continue
+                for key in keys:
+                    out[ui][key][a - lo:b - lo].copy_(recv[pos:pos + b - a])
+                    pos += b - a
     return out

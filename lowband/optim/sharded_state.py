@@ -34,7 +34,8 @@ checkpoint uses the rank-local form) gathers the state with :meth:`ShardedOptimi
 all-gather per state tensor per unit, ``tag="state"``; transiently the whole state on every rank). The
 torch-API :meth:`ShardedOptimizer.state_dict` (``Shard(0)`` chunks) and its :meth:`~ShardedOptimizer.load_state_dict`
 do not gather: each element moves once between its owner and its ``Shard(0)`` holder, one ``all_to_all`` per
-state dtype (``tag="state"``, :mod:`lowband.optim.sharded_exchange`), about ``1/N`` of the state held per rank.
+unit (``tag="state"``, :mod:`lowband.optim.sharded_exchange`): the result (about ``1/N`` of the state) plus one
+unit's buffers held per rank.
 """
 
 from __future__ import annotations
