@@ -152,7 +152,10 @@ def test_killed_group_rejoins_heals_and_ends_equal(tiny: Path, lighthouse) -> No
     # a row's lr is the one its step used: from the step after the heal on, the survivor's schedule
     assert by_step[at + 1]["lr"] == next(r for r in rows[0] if r.get("step") == at + 1)["lr"]
     final = {g: next(r for r in reversed(rows[g]) if "loss" in r) for g in (0, 1)}
-    assert final[0]["extras"]["outer_steps"] == final[1]["extras"]["outer_steps"] == steps // 4
+    # every sync commits unless a peer was lost during it (then it is rolled back and the fragment retried at the
+    # next sync; on a busy machine a 1 s heartbeat can lapse): the groups agree, one commit fewer per rollback
+    outer, rollbacks = [final[g]["extras"]["outer_steps"] for g in (0, 1)], final[0]["extras"]["ft_rollbacks"]
+    assert outer[0] == outer[1] and steps // 4 - rollbacks <= outer[0] <= steps // 4, (outer, rollbacks)
     assert final[0]["extras"]["ft_groups"] == final[1]["extras"]["ft_groups"] == 2
     assert final[1]["extras"]["ft_heals"] >= 1  # the survivor may have healed too, at the first quorum
     from safetensors.torch import load_file
@@ -258,4 +261,7 @@ def test_every_group_lost_at_once_resumes_from_its_own_checkpoint(tiny: Path, li
     final = [next(json.loads(ln) for ln in reversed((tiny / "runs" / f"g{g}" / "metrics.jsonl").read_text()
                                                      .splitlines()) if "loss" in json.loads(ln)) for g in (0, 1)]
     assert final[0]["step"] == final[1]["step"] == steps
-    assert final[0]["extras"]["outer_steps"] == final[1]["extras"]["outer_steps"] == steps // 4
+    # every sync commits unless a peer was lost during it (then it is rolled back and the fragment retried at the
+    # next sync; on a busy machine a 1 s heartbeat can lapse): the groups agree, one commit fewer per rollback
+    outer, rollbacks = [final[g]["extras"]["outer_steps"] for g in (0, 1)], final[0]["extras"]["ft_rollbacks"]
+    assert outer[0] == outer[1] and steps // 4 - rollbacks <= outer[0] <= steps // 4, (outer, rollbacks)
