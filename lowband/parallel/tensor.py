@@ -57,7 +57,7 @@ from torch import nn
 from lowband.comm import Comm
 from lowband.comm.opaque import opaque
 from lowband.parallel.dense import dense_linear, gather_tp
-from lowband.parallel.tp_grads import is_tp_slice, track
+from lowband.parallel.tp_grads import is_tp_slice, tp_cut, track
 from lowband.sharding import PLACEMENT_ATTR, Placement, Split, place, placement_of
 
 _LOCAL_STATE = [0]
@@ -396,7 +396,6 @@ class ColumnParallelLinear(_CopyKeepsLayout, nn.Module):
                                      (out_features, in_features))
         self.bias = None if b is None else mark_partition(nn.Parameter(b.chunk(n, 0)[r].clone()), 0,
                                                           self.tp_comm, (out_features,))
-        self.sections = 1  # set by shard_tp for fused projections (rows permuted, see permute_sections)
         self.tp_site = _next_site(self.tp_comm)
         self.tp_name = f"ColumnParallelLinear #{self.tp_site}"  # shard_tp sets the module's path
         _guard_state(self)
@@ -424,6 +423,13 @@ class ColumnParallelLinear(_CopyKeepsLayout, nn.Module):
         if self.gather_output and self.tp_comm.size > 1:
             y = gather_from_tp(y, self.tp_comm, self.tp_site, self.tp_name)
         return y
+
+    @property
+    def sections(self) -> int:
+        """Fused sections of the output rows (rows permuted, see :func:`permute_sections`): the weight's
+        placement says (set by :func:`~lowband.parallel.tp_shard.shard_tp`); 1 for a plain layer."""
+        cut = tp_cut(self.weight)
+        return cut.sections if cut is not None else 1
 
     def lowband_dense(self) -> nn.Linear:
         """The plain ``nn.Linear`` (collective over the TP group: all-gathers of the weight and bias rows,

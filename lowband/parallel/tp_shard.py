@@ -113,7 +113,6 @@ def shard_tp(model: nn.Module, plan: ModelPlan, comm: Comm, *, init_sync: bool =
             else:
                 src = dense
             layer: nn.Module = ColumnParallelLinear.from_dense(src, comm)
-            layer.sections = pl.sections
         else:
             layer = RowParallelLinear.from_dense(dense, comm)
         layer.weight.requires_grad_(dense.weight.requires_grad)
