@@ -84,11 +84,11 @@ class Split:
     def intervals(self, length: int) -> list[tuple[int, int, int]]:
         """``[(local_start, outer_start, n)]``: runs of this rank's indices along the cut dimension and where
         they sit in the tensor cut (of ``length`` there); padding indices are in no run."""
-        per = self.local_length(length) // self.sections
+        lo, hi = self.range(length)
+        per = hi - lo
         if self.sections > 1:
             sec = length // self.sections
-            return [(s * per, s * sec + self.rank * per, per) for s in range(self.sections)]
-        lo = self.rank * per
+            return [(s * per, s * sec + lo, per) for s in range(self.sections)]
         n = max(0, min(per, length - lo))
         return [(0, lo, n)] if n else []
 
@@ -174,6 +174,12 @@ def placement_of(param: torch.Tensor) -> Placement | None:
     if dim >= len(shape):
         return None
     return Placement(tuple(shape), (Split("tp", dim, comm.size, comm.rank, group=comm),))
+
+
+def cut_of(param: torch.Tensor, axis: str) -> Split | None:
+    """The cut of ``param``'s placement over mesh axis ``axis`` (``None``: no placement, or whole along it)."""
+    pl = placement_of(param)
+    return pl.split(axis) if pl is not None else None
 
 
 def logical_boxes(placement: Placement) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:

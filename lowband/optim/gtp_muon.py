@@ -77,7 +77,7 @@ from lowband.comm import Comm, CommHandle
 from lowband.optim.adamw import adamw_update_, validate_adamw_hparams
 from lowband.optim.buckets import matrix_cost
 from lowband.optim.muon import muon_apply_, muon_direction_, muon_shape_scale, muon_update_, validate_muon_hparams
-from lowband.sharding import placement_of
+from lowband.sharding import cut_of, placement_of
 
 ALGORITHMS = ("muon", "adamw")
 GRAD_TAG = "gtp:muon:a2a:grad"
@@ -247,7 +247,7 @@ class GTPMuon(torch.optim.Optimizer):
             for p in g["params"]:
                 self._check_muon_param(p, where)
                 pl = placement_of(p)
-                if pl is not None and pl.split("gtp") is not None:
+                if cut_of(p, "gtp") is not None:
                     self._gtp_params.append(p)
                     (rows, cols), (shard_rows, _) = pl.shape, pl.local_shape()
                     specs.append(MatrixSpec(rows, cols, shard_rows, gi, p.dtype))
@@ -261,13 +261,13 @@ class GTPMuon(torch.optim.Optimizer):
         name = f" {pl.name!r}" if pl is not None and pl.name else ""
         if p.dim() != 2:
             raise ValueError(f"{where}: Muon handles 2-D matrices; got a tensor of shape {tuple(p.shape)}")
-        tp = pl.split("tp") if pl is not None else None
+        tp = cut_of(p, "tp")
         if tp is not None and tp.size > 1:
             raise ValueError(f"{where}: Muon matrix{name} is split over a TP group of {tp.size} ranks "
                              f"(full shape {pl.shape}); Newton-Schulz needs the whole "
                              "matrix and GTPMuon routes only over the GTP group. Give TP-split matrices to "
                              "AdamW (algorithm='adamw') or use tp size 1")
-        cut = pl.split("gtp") if pl is not None else None
+        cut = cut_of(p, "gtp")
         if cut is not None and (cut.size != self.comm.size or cut.rank != self.comm.rank
                                 or getattr(cut.group, "name", None) != self.comm.name):
             raise ValueError(f"{where}: Muon matrix{name} is a GTP shard of group "

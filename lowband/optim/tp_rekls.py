@@ -74,7 +74,7 @@ from lowband.optim.rekls import (
     shampoo_beta_hat,
     uses_rekls,
 )
-from lowband.sharding import Split, placement_of
+from lowband.sharding import cut_of, placement_of
 
 PARTITION_DIMS = (0, 1, None)
 
@@ -132,11 +132,6 @@ class _Item:
     k: int = 0
 
 
-def _tp_cut(p: torch.Tensor) -> Split | None:
-    pl = placement_of(p)
-    return pl.split("tp") if pl is not None else None
-
-
 def _param_name(group: dict, gi: int, pi: int) -> str:
     names = group.get("param_names")
     if names is not None and pi < len(names):
@@ -184,7 +179,7 @@ class TpRekls(REKLS):
         declaration placement_of cannot read (a bad ``partition_dim``) is returned raw, to be refused."""
         if "partition_dim" in group:
             return group["partition_dim"], True
-        cut = _tp_cut(p)
+        cut = cut_of(p, "tp")
         return (cut.dim if cut is not None else getattr(p, "partition_dim", None)), False
 
     def _resolve_comm(self, tp_comm: Comm | None) -> Comm:
@@ -199,7 +194,7 @@ class TpRekls(REKLS):
                 pd, _ = self._declared(group, p)
                 if pd is not None:
                     sharded.append(_param_name(group, gi, pi) + f" (shape {tuple(p.shape)})")
-                    cut = _tp_cut(p)
+                    cut = cut_of(p, "tp")
                     c = cut.group if cut is not None else getattr(p, "tp_comm", None)
                     if c is not None and all(c is not x for x in comms):
                         comms.append(c)
@@ -239,8 +234,7 @@ class TpRekls(REKLS):
                             f"TP-sharded with partition_dim={pd}; only 2-D parameters can be TP-sharded")
         full = list(shape)
         full[pd] *= t
-        pl = placement_of(p)
-        declared_full = pl.shape if pl is not None and pl.split("tp") is not None else None
+        declared_full = placement_of(p).shape if cut_of(p, "tp") is not None else None
         if declared_full is not None and not explicit and tuple(declared_full) != tuple(full):
             raise ValueError(f"TpRekls: parameter {name} (local shape {shape}, partition_dim {pd}): "
                              f"its full_shape {tuple(declared_full)} is not the local shape times the TP "

@@ -55,7 +55,7 @@ from torch import nn
 from lowband.optim.rekls import REKLS, ReklsHyper, init_rekls_state
 from lowband.optim.sharded_state import group_hyperparams
 from lowband.parallel.tensor import permute_sections
-from lowband.sharding import Split, placement_of
+from lowband.sharding import cut_of, placement_of
 
 
 def sections_perm(m: int, sections: int, t: int) -> torch.Tensor:
@@ -130,15 +130,9 @@ class TPStateLayout:
         return x.to_local() if isinstance(x, DTensor) else x
 
     @staticmethod
-    def _cut(p: torch.Tensor) -> Split | None:
-        """``p``'s ``"tp"`` cut (its :class:`~lowband.sharding.Placement`), ``None`` if replicated."""
-        pl = placement_of(p)
-        return pl.split("tp") if pl is not None else None
-
-    @staticmethod
     def _sections(p: torch.Tensor) -> int:
         """Sections of a column-parallel tensor whose rows are section-permuted (1: none)."""
-        cut = TPStateLayout._cut(p)
+        cut = cut_of(p, "tp")
         return cut.sections if cut is not None and cut.dim == 0 else 1
 
     @staticmethod
@@ -150,7 +144,7 @@ class TPStateLayout:
     # ------------------------------------------------------------------- parameter-shaped tensors
     def _param_like_out(self, p: torch.Tensor, x: torch.Tensor) -> Any:
         """A tensor with ``p``'s local layout (the parameter, or an AdamW moment) -> canonical."""
-        cut = self._cut(p)
+        cut = cut_of(p, "tp")
         if cut is None:
             return x.detach().clone()
         sec = self._sections(p)

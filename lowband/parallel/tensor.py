@@ -57,8 +57,8 @@ from torch import nn
 from lowband.comm import Comm
 from lowband.comm.opaque import opaque
 from lowband.parallel.dense import dense_linear, gather_tp
-from lowband.parallel.tp_grads import is_tp_slice, tp_cut, track
-from lowband.sharding import PLACEMENT_ATTR, Placement, Split, place, placement_of
+from lowband.parallel.tp_grads import is_tp_slice, track
+from lowband.sharding import PLACEMENT_ATTR, Placement, Split, cut_of, place, placement_of
 
 _LOCAL_STATE = [0]
 
@@ -157,8 +157,7 @@ def mark_partition(param: nn.Parameter, partition_dim: int | None, tp_comm: Comm
 def set_tp_layout(param: nn.Parameter, *, sections: int | None = None, name: str | None = None) -> None:
     """Amend a TP slice's placement: its cut dimension is ``sections`` fused sections (rows permuted, see
     :func:`permute_sections`), and/or its name (for messages). No-op for a parameter without a TP cut."""
-    pl = placement_of(param)
-    cut = pl.split("tp") if pl is not None else None
+    pl, cut = placement_of(param), cut_of(param, "tp")
     if pl is None or cut is None:
         return
     if sections is not None:
@@ -428,7 +427,7 @@ class ColumnParallelLinear(_CopyKeepsLayout, nn.Module):
     def sections(self) -> int:
         """Fused sections of the output rows (rows permuted, see :func:`permute_sections`): the weight's
         placement says (set by :func:`~lowband.parallel.tp_shard.shard_tp`); 1 for a plain layer."""
-        cut = tp_cut(self.weight)
+        cut = cut_of(self.weight, "tp")
         return cut.sections if cut is not None else 1
 
     def lowband_dense(self) -> nn.Linear:

@@ -60,7 +60,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lowband.sharding import Split, placement_of
+from lowband.sharding import Split, cut_of, placement_of
 
 
 class TPGradEditError(RuntimeError):
@@ -77,21 +77,14 @@ _FIRED: dict[int, None] = {}  # the TP groups whose slices autograd accumulated 
 _QUEUED = [-1]  # the graph task whose end runs _share_nonfinite
 
 
-def tp_cut(p: torch.Tensor) -> Split | None:
-    """The ``"tp"`` cut of ``p``'s placement, or ``None`` (a replicated parameter, or one of another axis only)."""
-    pl = placement_of(p)
-    return pl.split("tp") if pl is not None else None
-
-
 def is_tp_slice(p: torch.Tensor) -> bool:
     """True if ``p`` is a TP slice (a ``"tp"`` cut in its placement, of any group size)."""
-    return tp_cut(p) is not None
+    return cut_of(p, "tp") is not None
 
 
 def _tp_only(p: torch.Tensor) -> Split | None:
     """The ``"tp"`` cut of a TP slice that is not also a GTP shard (GTP's runtime checks those)."""
-    pl = placement_of(p)
-    return pl.split("tp") if pl is not None and pl.split("gtp") is None else None
+    return cut_of(p, "tp") if cut_of(p, "gtp") is None else None
 
 
 def _checked(p: torch.Tensor) -> bool:
@@ -113,7 +106,7 @@ def _after_accumulate(p: torch.Tensor) -> None:
         return
     _record(p)
     if getattr(p, "tp_share_nonfinite", True):
-        _FIRED[id(tp_cut(p).group)] = None
+        _FIRED[id(cut_of(p, "tp").group)] = None
         task = torch._C._current_graph_task_id()
         if _QUEUED[0] != task:
             _QUEUED[0] = task
@@ -160,7 +153,7 @@ def track(param: torch.Tensor) -> None:
         return
     param.register_post_accumulate_grad_hook(_after_accumulate)
     _HOOKED[param] = True
-    comm = tp_cut(param).group
+    comm = cut_of(param, "tp").group
     for key in [k for k, (_, refs) in _BY_COMM.items() if all(r() is None for r in refs)]:
         del _BY_COMM[key]  # a model (and its process group) gone: forget it
     _BY_COMM.setdefault(id(comm), (comm, []))[1].append(weakref.ref(param))

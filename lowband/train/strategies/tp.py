@@ -35,7 +35,7 @@ from lowband.parallel.mesh import build_mesh
 from lowband.parallel.tensor import TPInputGather
 from lowband.parallel.tp_shard import shard_tp
 from lowband.plan import plan_for
-from lowband.sharding import placement_of
+from lowband.sharding import cut_of
 from lowband.train.errors import ConfigError
 from lowband.train.optimizers import torch_adamw
 from lowband.train.strategies import register_strategy
@@ -60,8 +60,7 @@ def shard_gpt_tp(model: nn.Module, comm: Comm) -> nn.Module:
 
 
 def _is_tp(p: torch.Tensor) -> bool:
-    pl = placement_of(p)
-    return pl is not None and pl.split("tp") is not None
+    return cut_of(p, "tp") is not None
 
 
 @register_strategy("tp")
