@@ -48,6 +48,7 @@ from torch import nn
 
 from lowband.comm import Comm
 from lowband.dcp_chunks import LocalChunks, local_chunks
+from lowband.optim.sharded_exchange import chunk_rows, state_keys
 
 if TYPE_CHECKING:
     from lowband.optim.sharded import ShardedOptimizer
@@ -61,13 +62,6 @@ def group_hyperparams(param_groups: list[dict[str, Any]]) -> dict[str, Any]:
     layout saves an optimizer's hyper-parameters (``lr`` included, so a resumed LR schedule continues)."""
     return {f"param_groups.{gi}.{k}": v for gi, g in enumerate(param_groups) for k, v in g.items()
             if k != "params" and isinstance(v, _GROUP_TYPES)}
-
-
-def _chunk_bounds(rows: int, world: int, rank: int) -> tuple[int, int]:
-    """Rows ``[lo, hi)`` of ``torch.chunk(full, world, dim=0)[rank]`` (empty past the last chunk)."""
-    c = -(-rows // world) if rows else 0
-    lo = min(rows, rank * c)
-    return lo, min(rows, lo + c)
 
 
 class Shard0:
@@ -92,7 +86,7 @@ class Shard0:
         from torch.distributed.tensor import DTensor, Shard
 
         full = full.detach().contiguous()
-        lo, hi = _chunk_bounds(full.shape[0], self.comm.size, self.comm.rank)
+        lo, hi = chunk_rows(full.shape[0], self.comm.size, self.comm.rank)
         out = DTensor.from_local(full[lo:hi].clone(), self._mesh_for(full.device), [Shard(0)], run_check=False,
                                  shape=full.shape, stride=full.stride())
         # which rank's chunk this is (pickled with it): ShardedOptimizer.load_state_dict refuses it elsewhere
@@ -126,7 +120,7 @@ class Shard0:
                 continue
             local = v.to_local()
             shape = tuple(v.shape)
-            lo, hi = _chunk_bounds(shape[0], n, rank) if shape else (0, 0)
+            lo, hi = chunk_rows(shape[0], n, rank) if shape else (0, 0)
             if (v.device_mesh.size() != n or list(v.placements) != [Shard(0)] or not shape
                     or tuple(local.shape) != (hi - lo, *shape[1:])):
                 out[k] = v.full_tensor()
@@ -152,7 +146,7 @@ class Shard0:
                 row = size // max(1, -(-shape[0] // n))
                 pieces = []
                 for r in range(n):
-                    lo, hi = _chunk_bounds(shape[0], n, r)
+                    lo, hi = chunk_rows(shape[0], n, r)
                     pieces.append(parts[r, off:off + (hi - lo) * row])
                 out[k] = torch.cat(pieces).view(shape).clone()
                 off += size
@@ -225,9 +219,7 @@ class ShardedStateLayout:
         out = []
         for ui, unit in enumerate(opt._units):
             lay, st = unit.layout, opt.state[ui]
-            keys = ["exp_avg", "exp_avg_sq"] if lay.kind == "adamw" else ["momentum_buffer"]
-            if opt._needs_master(unit):  # on every rank alike (a rank owning no Muon matrix has no master)
-                keys.append("master")
+            keys = state_keys(opt, ui)  # the master on every rank alike (one owning no Muon matrix has none)
             if lay.kind == "adamw":
                 lo, hi = lay.owner_range(rank)
                 for mi, m in enumerate(lay.members):
