@@ -112,7 +112,7 @@ from lowband.optim.buckets import (
     plan_muon_units,
 )
 from lowband.optim.muon import muon_update_, validate_muon_hparams
-from lowband.optim.sharded_exchange import load_shard0, shard0_ready, to_shard0
+from lowband.optim.sharded_exchange import load_shard0, owned_master, shard0_ready, to_shard0
 from lowband.optim.sparse_rows import (
     SparseTable,
     SparseTableUnit,
@@ -1455,18 +1455,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Unit ``ui``'s masters over its whole flat space (one all-gather, ``tag="state"``); a slice
         whose owner has not stepped yet contributes the master its first step would create."""
         unit = self._units[ui]
-        lay, acc, rank = unit.layout, unit.grad_shard.dtype, self.comm.rank
-        st = self.state.get(ui, {})
-        if lay.kind == "adamw":
-            lo, hi = lay.owner_range(rank)
-            local = st["master"] if "master" in st else unit.param_buf[lo:hi].to(acc)
-        else:
-            assert lay.matrix_shape is not None and lay.real_per_rank is not None
-            rows, cols = lay.matrix_shape
-            c, real = lay.slots_per_rank, lay.real_per_rank[rank]
-            local = torch.zeros(c, rows, cols, dtype=acc, device=unit.grad_shard.device)
-            own = unit.param_buf.view(-1, rows, cols)[rank * c:rank * c + real]
-            local[:real].copy_(st["master"] if "master" in st else own.to(acc))
+        lay, acc = unit.layout, unit.grad_shard.dtype
+        local = owned_master(self, ui)
+        if lay.kind == "muon":  # its real matrices, then zeros for the empty slots of the rank's chunk
+            padded = torch.zeros(lay.shard_numel, dtype=acc, device=unit.grad_shard.device)
+            padded[:local.numel()].copy_(local)
+            local = padded
         full = torch.empty(lay.numel, dtype=acc, device=unit.grad_shard.device)
         self._state_comm.all_gather(full, local.contiguous().reshape(-1), tag="state")
         return full

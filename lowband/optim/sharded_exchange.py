@@ -70,6 +70,17 @@ def _segment(lay: UnitLayout, mi: int, owner: int, holder: int) -> tuple[int, in
     return max(o_lo, h_lo), min(o_hi, h_hi)
 
 
+def owned_master(opt: ShardedOptimizer, ui: int) -> torch.Tensor:
+    """This rank's fp32 master of unit ``ui`` as a 1-D tensor over its owned range: the kept one, or before the
+    unit's first step the one that step would create (the owned parameters in the accumulation dtype)."""
+    unit = opt._units[ui]
+    st = opt.state.get(ui, {})
+    if "master" in st:
+        return st["master"].reshape(-1)
+    lo, hi = _owned(unit.layout, opt.comm.rank)
+    return unit.param_buf[lo:hi].to(unit.grad_shard.dtype)
+
+
 def _owned_state(opt: ShardedOptimizer, ui: int) -> dict[str, torch.Tensor]:
     """This rank's state tensors of unit ``ui`` as 1-D views over its owned range (what a first step would
     create where the unit has not stepped)."""
@@ -79,10 +90,10 @@ def _owned_state(opt: ShardedOptimizer, ui: int) -> dict[str, torch.Tensor]:
     lo, hi = _owned(lay, opt.comm.rank)
     out = {}
     for key in state_keys(opt, ui):
-        if key in st:
+        if key == "master":
+            out[key] = owned_master(opt, ui)
+        elif key in st:
             out[key] = st[key].reshape(-1)
-        elif key == "master":
-            out[key] = unit.param_buf[lo:hi].to(acc)
         else:
             out[key] = torch.zeros(hi - lo, dtype=acc, device=dev)
     return out
