@@ -18,8 +18,8 @@ OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
 
 def default_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    """SGD, lr 0.7, momentum 0.9, Nesterov: the DiLoCo papers' and torchft's default."""
-    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+    """SGD, lr 0.7, momentum 0.9, Nesterov: the DiLoCo papers' and torchft's default (:func:`outer_sgd`'s)."""
+    return outer_sgd()(params)
 
 
 def check_outer_sgd(lr: float, momentum: float, *, names: Mapping[str, str] | None = None) -> None:
@@ -39,7 +39,7 @@ def check_outer_sgd(lr: float, momentum: float, *, names: Mapping[str, str] | No
 def outer_sgd(lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True) -> OuterOptimizerFactory:
     """A factory ``params -> torch.optim.SGD`` for :class:`~lowband.diloco.StreamingDiLoCo`'s
     ``outer_optimizer``, its settings checked now (:func:`check_outer_sgd`); Nesterov only with momentum > 0
-    (torch refuses Nesterov without momentum). The defaults are :func:`default_outer_optimizer`'s."""
+    (torch refuses Nesterov without momentum). Its defaults are :func:`default_outer_optimizer`."""
     check_outer_sgd(lr, momentum)
 
     def make(params: list[torch.Tensor]) -> torch.optim.Optimizer:
