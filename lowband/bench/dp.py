@@ -186,6 +186,10 @@ CONTENDERS: dict[str, Callable[[Config, DistEnv, Batches], Contender]] = {
     "sharded-adamw-fp8": StrategyContender("sharded-adamw", "sharded-adamw-fp8",
                                            {"strategy": {"grad_wire_dtype": "fp8"},
                                             "sharded": {"param_wire_dtype": "bfloat16"}}),
+    "sharded-adamw-fp8-ef": StrategyContender("sharded-adamw", "sharded-adamw-fp8-ef",
+                                              {"strategy": {"grad_wire_dtype": "fp8"},
+                                               "sharded": {"param_wire_dtype": "bfloat16",
+                                                           "grad_error_feedback": True}}),
     "sharded-muon": StrategyContender("sharded-muon"),
     "zero": _lazy("lowband.bench.dp_torch", "zero_contender"),
     "fsdp2": _lazy("lowband.bench.dp_torch", "fsdp2_contender"),
@@ -193,7 +197,7 @@ CONTENDERS: dict[str, Callable[[Config, DistEnv, Batches], Contender]] = {
     "fsdp2-muon": _lazy("lowband.bench.dp_torch", "fsdp2_muon_contender"),
 }
 
-NAMED_ONLY: tuple[str, ...] = ("sharded-adamw-fp8",)
+NAMED_ONLY: tuple[str, ...] = ("sharded-adamw-fp8", "sharded-adamw-fp8-ef")
 """Contenders run only when named (issue 24's fp8 gradients: ``--contenders ddp,sharded-adamw,sharded-adamw-fp8``)."""
 
 DEFAULT_CONTENDERS: tuple[str, ...] = tuple(n for n in CONTENDERS if n not in NAMED_ONLY)

@@ -385,6 +385,21 @@ def codec_reduce_scatter(comm: Comm, output: torch.Tensor, input: torch.Tensor, 
     return handle
 
 
+def reduce_scatter_error(input: torch.Tensor, n: int, codec: Codec) -> torch.Tensor:
+    """This rank's encoding error in a :func:`codec_reduce_scatter` of ``input`` over ``n`` ranks:
+    ``input - decoded``, where ``decoded`` is exactly what the ``n`` owners decode from this rank's
+    message (each chunk padded and encoded on its own, decoded in fp32, fp64 for fp64 input). Same
+    shape as ``input``, in the accumulation dtype (fp32, fp64 for fp64 input). Error feedback adds it to the next input
+    (:class:`lowband.optim.ShardedOptimizer` ``grad_error_feedback``)."""
+    shard = input.numel() // n
+    if input.numel() != n * shard:
+        raise ValueError(f"reduce_scatter_error: input has {input.numel()} elements, not a multiple of {n}")
+    acc = _acc_dtype(input.dtype)
+    chunk = chunk_layout(shard, 1, codec)
+    dec = codec.decode(codec.encode(_padded_chunks(input.reshape(n, shard), codec)), chunk, acc)
+    return (input.reshape(n, shard).to(acc) - dec[:, :shard]).reshape(input.shape)
+
+
 def _padded_chunks(chunks: torch.Tensor, codec: Codec) -> torch.Tensor:
     """``(N, shard)`` -> ``(N, chunk)`` zero-padded to a multiple of the codec's block size."""
     n, shard = chunks.shape

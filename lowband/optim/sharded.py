@@ -101,7 +101,7 @@ import torch
 from torch import nn
 
 from lowband.comm import Comm, CommHandle
-from lowband.comm.codecs import DEFAULT_BLOCK_SIZE, Codec, codec_reduce_scatter, get_codec
+from lowband.comm.codecs import DEFAULT_BLOCK_SIZE, Codec, codec_reduce_scatter, get_codec, reduce_scatter_error
 from lowband.optim.adamw import adamw_update_, validate_adamw_hparams
 from lowband.optim.buckets import (
     ParamSpec,
@@ -266,6 +266,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         lr_ratio_check: refuse a step whose Muon/AdamW lrs lost their construction ratio (see above).
         state_timeout: seconds a state collective waits for the other ranks (see above).
         grad_block_size: elements per fp32 scale of an ``"fp8"``/``"int8"`` gradient (a multiple of 4).
+        grad_error_feedback: with ``"fp8"``/``"int8"`` gradients, error feedback: each rank keeps its own
+            encoding error of every unit (a residual: the unit's size in fp32 on every rank, 4 bytes per
+            parameter; sparse-table units none) and sends ``gradient + residual`` next time, so what the
+            codec dropped travels later instead of being lost. Only members that hold a gradient on
+            this rank add their residual (one without sends zeros and keeps it); the residual changes
+            only at a :meth:`step` that updates (a skipped or discarded step keeps it). It is not part
+            of any state dict: every load restarts it at zero. Refused with ``torch.amp.GradScaler``.
 
     Raises:
         ValueError: bad hyperparameters, a parameter in two groups, ``bucket_mb <= 0``, Muon on a
@@ -286,7 +293,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  param_gather: str = "step", sparse_tables: Iterable[SparseTable] = (),
                  sparse_mode: str = "auto", sparse_count_comm: Comm | None = None,
                  init_sync: bool | str = True, lr_ratio_check: bool = True,
-                 state_timeout: float = 60.0, grad_block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+                 state_timeout: float = 60.0, grad_block_size: int = DEFAULT_BLOCK_SIZE,
+                 grad_error_feedback: bool = False) -> None:
         if not (init_sync is True or init_sync is False or init_sync == "verify"):
             raise ValueError(f"ShardedOptimizer: init_sync={init_sync!r} is not allowed; allowed: True "
                              "(broadcast from rank 0), False (trust the caller), 'verify' (checksum, raise)")
@@ -302,6 +310,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                  f"{grad_block_size!r}")
             grad_codec = get_codec(grad_wire_dtype, block_size=grad_block_size)
             grad_wire_dtype = None
+        if not isinstance(grad_error_feedback, bool):
+            raise ValueError(f"ShardedOptimizer: grad_error_feedback must be True or False "
+                             f"(got {grad_error_feedback!r})")
+        if grad_error_feedback and grad_codec is None:
+            raise ValueError(f"ShardedOptimizer: grad_error_feedback needs a block-scaled gradient wire "
+                             f"(grad_wire_dtype 'fp8' or 'int8'), got grad_wire_dtype={grad_wire_dtype!r}")
         if isinstance(grad_wire_dtype, str) and grad_wire_dtype in _WIRE_NAMES:
             grad_wire_dtype = _WIRE_NAMES[grad_wire_dtype]
         if grad_wire_dtype not in GRAD_WIRE_DTYPES:
@@ -346,6 +360,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.bucket_mb = float(bucket_mb)
         self.grad_wire_dtype = grad_wire_dtype
         self.grad_codec = grad_codec  # fp8/int8 gradients: codec_reduce_scatter (lowband.comm.codecs)
+        self.grad_error_feedback = grad_error_feedback
         self.param_wire_dtype = param_wire_dtype
         self.param_gather = param_gather
         self.require_backward_grad_sync = True
@@ -359,7 +374,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         for gi, g in enumerate(self.param_groups) for p in g["params"]],
                        [repr(sorted((k, repr(v)) for k, v in g.items() if k != "params"))
                         for g in self.param_groups],
-                       self.bucket_mb, repr(grad_codec) if grad_codec else str(grad_wire_dtype),
+                       self.bucket_mb, repr(grad_codec) if grad_codec else str(grad_wire_dtype), grad_error_feedback,
                        str(param_wire_dtype), param_gather,
                        [(t.name, tuple(t.param.shape), t.hash, t.vocab_size) for t in sparse_tables], sparse_mode,
                        init_sync, self.lr_ratio_check, self.state_timeout)
@@ -394,6 +409,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if t is not None:
                 self._sparse[ui] = SparseTableUnit(t, self.comm, count_comm=sparse_count_comm, mode=sparse_mode,
                                                    wire_dtype=grad_wire_dtype)
+        # error feedback: this rank's encoding error of every unit's flat gradient not sent yet (sparse tables
+        # travel exactly and keep none); see _ef_input / _commit_residuals
+        self._residuals: dict[int, torch.Tensor] = {
+            ui: torch.zeros(u.layout.numel, dtype=_acc_dtype(u.layout.dtype), device=u.layout.device)
+            for ui, u in enumerate(self._units) if grad_error_feedback and ui not in self._sparse}
         self._next_launch = 0
         self._gather_order = self._forward_order(module)
         self._gathers: dict[int, CommHandle] = {}
@@ -640,13 +660,45 @@ class ShardedOptimizer(torch.optim.Optimizer):
             m = unit.layout.members[0]
             unit.rs = self._sparse[ui].launch(unit.grad_shard, unit.grad_buf[:m.numel].view(m.shape))
         elif self.grad_codec is not None:  # block-scaled fp8/int8: all-to-all, fp32 sums at the owner
-            unit.rs = codec_reduce_scatter(self.comm, unit.grad_shard, unit.grad_buf, self.grad_codec, op="avg",
+            send = self._ef_input(ui) if ui in self._residuals else unit.grad_buf
+            unit.rs = codec_reduce_scatter(self.comm, unit.grad_shard, send, self.grad_codec, op="avg",
                                            async_op=True, tag=f"grad:{unit.layout.kind}")
         else:
             unit.rs = self.comm.reduce_scatter(unit.grad_shard, unit.grad_buf, op="avg", wire_dtype=wire,
                                                async_op=True, tag=f"grad:{unit.layout.kind}")
         unit.launched = True
         self._next_launch += 1
+
+    def _ef_input(self, ui: int) -> torch.Tensor:
+        """What an error-feedback unit sends: its flat gradient in the accumulation dtype plus the residual,
+        on the members that hold a gradient on this rank (a member without one sends zeros and keeps its
+        residual, so a parameter no rank used stays untouched and its pending error is not spent).
+        Computed the same way at launch and again at :meth:`_commit_residuals`, so both see the same bits."""
+        unit, residual = self._units[ui], self._residuals[ui]
+        x = unit.grad_buf.to(residual.dtype, copy=True)
+        for mi, m in enumerate(unit.layout.members):
+            if unit.grad_ref[mi] is not None:
+                x[m.offset:m.offset + m.numel].add_(residual[m.offset:m.offset + m.numel])
+        return x
+
+    @torch.no_grad()
+    def _commit_residuals(self) -> None:
+        """At a step that updates: each error-feedback unit's residual becomes this step's encoding error
+        (recomputed from the same input, so nothing extra is kept between backward and step), on the
+        members that held a gradient. A skipped or discarded step never gets here: its residual stays."""
+        n = self.comm.size
+        assert self.grad_codec is not None
+        for ui, residual in self._residuals.items():
+            unit = self._units[ui]
+            err = reduce_scatter_error(self._ef_input(ui), n, self.grad_codec)
+            for mi, m in enumerate(unit.layout.members):
+                if unit.grad_ref[mi] is not None:
+                    residual[m.offset:m.offset + m.numel].copy_(err[m.offset:m.offset + m.numel])
+
+    def _reset_residuals(self) -> None:
+        """Loaded state does not carry this rank's residual (it is not a shard of anything): start from zero."""
+        for residual in self._residuals.values():
+            residual.zero_()
 
     @torch.no_grad()
     def _launch_remaining(self) -> None:
@@ -910,10 +962,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def buffer_bytes(self) -> int:
         """Bytes of this optimizer's persistent communication buffers on this rank: the flat gradient
-        buffers and the reduced gradient shards (parameters live in the flat parameter buffers, so
-        they count as parameters)."""
-        return sum(u.grad_buf.numel() * u.grad_buf.element_size()
-                   + u.grad_shard.numel() * u.grad_shard.element_size() for u in self._units)
+        buffers, the reduced gradient shards and, with ``grad_error_feedback``, the residuals (parameters
+        live in the flat parameter buffers, so they count as parameters)."""
+        return (sum(u.grad_buf.numel() * u.grad_buf.element_size()
+                    + u.grad_shard.numel() * u.grad_shard.element_size() for u in self._units)
+                + sum(r.numel() * r.element_size() for r in self._residuals.values()))
 
     # ------------------------------------------------------------------------------ clipping
     @torch.no_grad()
@@ -957,6 +1010,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ``scaler.unscale_(opt)`` already did, and the step is skipped on every rank alike when a reduced
         shard on any rank holds inf/NaN; the global ``found_inf`` is written back into the scaler, so
         ``scaler.update()`` backs off alike on every rank."""
+        if grad_scaler is not None and self._residuals:
+            raise ValueError(f"{type(self).__name__}: grad_error_feedback cannot be used with torch.amp.GradScaler "
+                             "(the residual would carry the loss scale of the step that made it); use bf16 "
+                             "autocast, or grad_error_feedback=False")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -968,6 +1025,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if grad_scaler is not None and self._apply_scaler(grad_scaler):
             self._reset_step()  # inf/NaN somewhere: skipped on every rank (parameters and state unchanged)
             return loss
+        if self._residuals:
+            self._commit_residuals()
         rank = self.comm.rank
         for ui in self._gather_order:  # the order the next forward needs them (every rank alike)
             unit = self._units[ui]
@@ -1185,6 +1244,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         lrs = [float(g["lr"]) for g in self.param_groups]
         if any(lr != 0 for lr in lrs):  # the saved lrs carry the ratio the run was using
             self._base_lrs = lrs
+        self._reset_residuals()  # every load passes here: loaded state carries no gradient residual
 
     # ---------------------------------------------------------------------------- state dicts
     @torch.no_grad()

@@ -74,6 +74,9 @@ def test_registry_config_and_extension() -> None:
     assert fp8.strategy.grad_wire_dtype == "fp8" and fp8.sharded.param_wire_dtype == "bfloat16"
     assert "sharded-adamw-fp8" not in contender_list("all")  # run only when named
     assert contender_list("sharded-adamw-fp8") == ["ddp", "sharded-adamw-fp8"]
+    ef = CONTENDERS["sharded-adamw-fp8-ef"].config(cfg, flat)
+    assert ef.sharded.grad_error_feedback and ef.strategy.grad_wire_dtype == "fp8"
+    assert not fp8.sharded.grad_error_feedback and "sharded-adamw-fp8-ef" not in contender_list("all")
     assert cfg.sparse.tables == []  # the base config is not touched
     from lowband.comm import codecs
 

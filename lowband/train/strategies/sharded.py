@@ -49,6 +49,10 @@ class ShardedConfig:
     param_wire_dtype: str = "float32"
     """Updated parameters are all-gathered as float32 | bfloat16 (bf16: the owner keeps an fp32 master of
     its slice; every rank computes with the bf16-rounded weights)."""
+    grad_error_feedback: bool = False
+    """With strategy.grad_wire_dtype = fp8: each rank keeps what fp8 dropped of its gradients (4 bytes per
+    parameter) and sends it with the next step's, so no gradient mass is lost (ShardedOptimizer
+    grad_error_feedback; restarts at zero on resume)."""
 
 
 @dataclass(kw_only=True)
@@ -73,6 +77,13 @@ def check_gpt_sparse_tables(cfg: Any) -> None:
             raise ConfigError("sparse.tables = ['bigram'] needs model.bigram_rows >= 2")
 
 
+def check_grad_error_feedback(cfg: Any) -> None:
+    """``sharded.grad_error_feedback`` keeps the error of a lossy gradient wire: it needs one."""
+    if cfg.sharded.grad_error_feedback and cfg.strategy.grad_wire_dtype != "fp8":
+        raise ConfigError(f"sharded.grad_error_feedback = true needs strategy.grad_wire_dtype = 'fp8' (it keeps what "
+                          f"fp8 drops); strategy.grad_wire_dtype is {cfg.strategy.grad_wire_dtype!r}")
+
+
 class _ShardedBase(Strategy):
     config_sections = ("strategy", "sharded", "sparse")
     fp8_grads = True
@@ -85,6 +96,7 @@ class _ShardedBase(Strategy):
     def validate_config(cls, cfg: Any, world_size: int) -> None:
         super().validate_config(cfg, world_size)
         check_gpt_sparse_tables(cfg)
+        check_grad_error_feedback(cfg)
 
     @classmethod
     def validate_inner(cls, cfg: Any, per_replica: int) -> None:
@@ -100,6 +112,7 @@ class _ShardedBase(Strategy):
                               "master copy would not see the weights DiLoCo writes at a sync); use float32 or "
                               "float64, or diloco.inner = ddp")
         check_gpt_sparse_tables(cfg)
+        check_grad_error_feedback(cfg)
 
     @classmethod
     def accepts_fp8_grads_inner(cls, cfg: Any) -> bool:
@@ -141,7 +154,7 @@ class _ShardedBase(Strategy):
             self._groups(model), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
             momentum=o.muon_momentum, comm=comm, bucket_mb=s.bucket_mb,
             grad_wire_dtype=_WIRE[s.grad_wire_dtype], param_wire_dtype=_WIRE[self.cfg.sharded.param_wire_dtype],
-            module=model, param_gather=self.param_gather,
+            grad_error_feedback=self.cfg.sharded.grad_error_feedback, module=model, param_gather=self.param_gather,
             sparse_tables=sparse_tables_from_plan(model, list(sp.tables), plan=self.model_plan(model),
                                                   where="sparse.tables"),
             sparse_mode=sp.mode)
