@@ -36,6 +36,7 @@ namespace and process is removed on every exit path; each run is bounded by ``--
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -48,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from lowband.bench.cpuquota import CpuQuotas, controller_root, reap_cpu_leftovers
 from lowband.bench.goodput_account import (
     Incarnation,
     committed_steps,
@@ -146,6 +148,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--join-timeout-ms", type=int, default=60_000, help="the Lighthouse's join timeout")
     p.add_argument("--time-limit", type=float, default=1800.0, help="seconds per run (then every process is killed)")
     p.add_argument("--mtu", type=int, default=1500)
+    p.add_argument("--cpus-per-group", default="auto",
+                   help="CPU cap of each group's processes (static: of each rank), a cgroup per stand-in machine, so "
+                        "that a killed or restarting group neither frees nor takes CPU of the others; 'auto' = "
+                        "min(1, 0.9 x cores / groups), 0 = no cap")
 
 
 def check_options(opts: dict[str, Any]) -> tuple[list[str], list[Fault]]:
@@ -169,7 +175,23 @@ def check_options(opts: dict[str, Any]) -> tuple[list[str], list[Fault]]:
         raise ValueError(f"--static-wire must be one of fp32, {', '.join(CODECS)}; got {opts['static_wire']!r}")
     if not Path(opts["config"]).is_file() and not (ROOT / opts["config"]).is_file():
         raise ValueError(f"--config: no such file {opts['config']!r}")
+    if cpus_per_group(opts) > 0:
+        controller_root()  # CpuQuotaError (one line) before anything is created
     return contenders, faults
+
+
+def cpus_per_group(opts: dict[str, Any]) -> float:
+    """``--cpus-per-group`` as a number of CPUs (``auto``: ``min(1, 0.9 x cores / groups)``, 0: no cap)."""
+    text = str(opts.get("cpus_per_group", "auto")).strip()
+    if text == "auto":
+        return min(1.0, round(0.9 * (os.cpu_count() or 1) / int(opts["groups"]), 2))
+    try:
+        cpus = float(text)
+    except ValueError:
+        raise ValueError(f"--cpus-per-group must be 'auto', 0 or a positive number of CPUs; got {text!r}") from None
+    if cpus < 0 or cpus != cpus:
+        raise ValueError(f"--cpus-per-group must be 'auto', 0 or a positive number of CPUs; got {text!r}")
+    return cpus
 
 
 # --------------------------------------------------------------------------------------------------- launches
@@ -280,7 +302,15 @@ def run_scenario(opts: dict[str, Any], contender: str, rate: str, faults: list[F
 
     # one namespace per group (static: per rank of the job), and one for the Lighthouse
     load_before = os.getloadavg()  # other work on the machine slows one run and not the other: both are reported
-    with ShapedNetwork(groups + (0 if static else 1), rate, mtu=opts["mtu"]) as net:
+    cpus = cpus_per_group(opts)
+    names = [f"{'r' if static else 'g'}{g}" for g in range(groups)]
+    with contextlib.ExitStack() as stack:
+        quotas = stack.enter_context(CpuQuotas(names, cpus)) if cpus > 0 else None
+        net = stack.enter_context(ShapedNetwork(groups + (0 if static else 1), rate, mtu=opts["mtu"]))
+
+        def capped(g: int) -> Any:
+            return None if quotas is None else quotas.preexec(names[g])
+
         base_env = _no_rank_env({**os.environ, **_python_env()})
         url = None
         if not static:
@@ -301,8 +331,8 @@ def run_scenario(opts: dict[str, Any], contender: str, rate: str, faults: list[F
             incs.append(inc)
             args = [*trainer_args(opts, contender, out_dir, f"g{g}-i{index}"), f"--ft.group={g}",
                     f"--ft.lighthouse={url}", f"--ft.host={net.rank_addr(g)}"]
-            p = net._start(net.rank_ns(g), args, base_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True)
+            p = net._start(net.rank_ns(g), args, base_env, before_exec=capped(g), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
             latest[g] = Launch(p, inc, log(f"g{g}-i{index}"), t0)
             launches.append(latest[g])
 
@@ -314,8 +344,8 @@ def run_scenario(opts: dict[str, Any], contender: str, rate: str, faults: list[F
                 env = {**base_env, "RANK": str(r), "WORLD_SIZE": str(groups), "LOCAL_RANK": "0",
                        "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": net.rank_addr(0),
                        "MASTER_PORT": str(MASTER_PORT + index)}
-                p = net._start(net.rank_ns(r), args, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
+                p = net._start(net.rank_ns(r), args, env, before_exec=capped(r), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
                 latest[r] = Launch(p, inc if r == 0 else None, log(f"job{index}-rank{r}"), t0)
                 launches.append(latest[r])
 
@@ -521,6 +551,7 @@ def launch(opts: dict[str, Any], stem: Path) -> dict[str, Any]:
 
     builtin_corpus()  # build the corpus cache once, before the groups start
     reap_leftovers()
+    reap_cpu_leftovers()
     logdir = stem.with_name(f"{stem.name}-logs")
     results: list[dict[str, Any]] = []
     runs: dict[str, Any] = {}
@@ -554,7 +585,8 @@ def launch(opts: dict[str, Any], stem: Path) -> dict[str, Any]:
               "sync_every": opts["sync_every"], "fragments": opts["fragments"], "static_wire": opts["static_wire"],
               "static_checkpoint_every": opts["static_checkpoint_every"], "quorum_timeout_s": opts["quorum_timeout"],
               "pg_timeout_s": opts["pg_timeout"], "heartbeat_timeout_ms": opts["heartbeat_timeout_ms"],
-              "join_timeout_ms": opts["join_timeout_ms"], "mtu": opts["mtu"], "runs": runs, "interrupted": interrupted,
+              "join_timeout_ms": opts["join_timeout_ms"], "mtu": opts["mtu"], "cpus_per_group": cpus_per_group(opts),
+              "runs": runs, "interrupted": interrupted,
               "goodput": "committed inner steps over groups / (groups x steps x run_s / fault_free_s); run_s: "
                          "from the first step of the last group to start to the last step row"}
     return {"config": config, "results": results}

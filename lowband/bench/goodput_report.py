@@ -58,6 +58,12 @@ def target_checks(doc: dict[str, Any], rate: str) -> list[str]:
     return lines
 
 
+def _cpus(cpus: float | None) -> str:
+    if cpus is None:
+        return "CPU per group not recorded"
+    return f"each group capped at {cpus:g} CPU (a cgroup per machine)" if cpus > 0 else "no CPU cap per group"
+
+
 def goodput_markdown(doc: dict[str, Any]) -> str:
     cfg = doc["config"]
     faults = ", ".join(f"kill group {f['group']} at {f['at']:.0%}, back {f['down']:.0%} later" for f in cfg["faults"])
@@ -65,7 +71,8 @@ def goodput_markdown(doc: dict[str, Any]) -> str:
              f"Config {cfg['config']}, {cfg['steps']} inner steps, sync every {cfg['sync_every']}, "
              f"{cfg['fragments']} fragment(s); faults: {faults or 'none'}; static: wire {cfg['static_wire']}, "
              f"checkpoint every {cfg['static_checkpoint_every']} steps; quorum timeout {cfg['quorum_timeout_s']:g} s, "
-             f"heartbeat timeout {cfg['heartbeat_timeout_ms']} ms.", ""]
+             f"heartbeat timeout {cfg['heartbeat_timeout_ms']} ms; "
+             f"{_cpus(cfg.get('cpus_per_group'))}.", ""]
     if cfg.get("interrupted"):
         lines += [f"**Incomplete**: {cfg['interrupted']}; only the contenders that finished are below.", ""]
     for rate in cfg["bandwidths"]:

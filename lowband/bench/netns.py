@@ -35,7 +35,7 @@ import secrets
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -334,9 +334,18 @@ class ShapedNetwork:
         """Start ``argv`` inside rank ``rank``'s namespace (own session, dies with this process)."""
         return self._start(self.rank_ns(rank), argv, {**os.environ, **(env or {}), **self.rank_env(rank)}, **kwargs)
 
-    def _start(self, ns: str, argv: Sequence[str], env: dict[str, str], **kwargs: object) -> subprocess.Popen:
+    def _start(self, ns: str, argv: Sequence[str], env: dict[str, str], *,
+               before_exec: Callable[[], None] | None = None, **kwargs: object) -> subprocess.Popen:
+        """Start ``argv`` in namespace ``ns`` (own session, dies with this process); ``before_exec`` runs in
+        the child first (e.g. :meth:`lowband.bench.cpuquota.CpuQuotas.preexec`: join a CPU-capped cgroup)."""
+
+        def preexec() -> None:
+            _set_pdeathsig()
+            if before_exec is not None:
+                before_exec()
+
         p = subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=env, start_new_session=True,
-                             preexec_fn=_set_pdeathsig, **kwargs)  # type: ignore[call-overload]
+                             preexec_fn=preexec, **kwargs)  # type: ignore[call-overload]
         self.procs.append(p)
         return p
 
