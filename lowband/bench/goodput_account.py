@@ -10,7 +10,9 @@ The trainer prints one row per inner step (``run.log_every = 1``)::
 
 What counts (:func:`committed_steps`):
 
-* a heal overwrites what the incarnation trained before it: only rows after its last heal line count;
+* a heal overwrites what the incarnation trained since its last commit before the heal (a group restarted
+  from nothing has committed nothing then: every row before its first heal is lost; a live group healed
+  again after a failed sync keeps the rows its earlier commits carried into the global copies);
 * a fault-tolerant incarnation that was killed keeps the rows up to its last *commit* (the row where
   ``outer_steps`` last grew: the steps before it reached the global copies); the rows after it are lost;
 * a ``static`` incarnation that failed keeps the rows up to its last checkpoint (the next launch resumes
@@ -93,20 +95,35 @@ def _after_last_heal(inc: Incarnation) -> list[tuple[float, int, int | None]]:
     return [r for r in rows if r[0] >= t_heal]
 
 
-def committed_steps(inc: Incarnation, static: bool) -> int:
-    """The inner steps of ``inc`` that survive (see the module docstring)."""
-    rows = _after_last_heal(inc)
-    if inc.finished:
-        return len(rows)
-    if static:
-        last = max(inc.checkpoints(), default=inc.resumed_step())
-        return sum(1 for _, step, _ in rows if step <= last)
-    keep = 0  # rows up to the last one whose outer_steps grew over the row before it
+def _up_to_last_commit(rows: list[tuple[float, int, int | None]]) -> int:
+    """Rows up to the last one whose ``outer_steps`` grew over the row before it (0 when it never grew)."""
+    keep = 0
     for i in range(1, len(rows)):
         before, now = rows[i - 1][2], rows[i][2]
         if before is not None and now is not None and now > before:
             keep = i + 1
     return keep
+
+
+def committed_steps(inc: Incarnation, static: bool) -> int:
+    """The inner steps of ``inc`` that survive (see the module docstring)."""
+    if static:
+        rows = _after_last_heal(inc)
+        if inc.finished:
+            return len(rows)
+        last = max(inc.checkpoints(), default=inc.resumed_step())
+        return sum(1 for _, step, _ in rows if step <= last)
+    # the rows between heals: each heal keeps what a commit before it carried into the global copies and
+    # overwrites the rest; after the last heal, a finished launch keeps every row, a killed one up to its last commit
+    segments: list[list[tuple[float, int, int | None]]] = [[]]
+    heal_times = [t for t, _ in inc.heals()]
+    for row in inc.rows():
+        while heal_times and row[0] >= heal_times[0]:
+            heal_times.pop(0)
+            segments.append([])
+        segments[-1].append(row)
+    kept = sum(_up_to_last_commit(seg) for seg in segments[:-1])
+    return kept + (len(segments[-1]) if inc.finished else _up_to_last_commit(segments[-1]))
 
 
 def training_start(incarnations: list[Incarnation]) -> float | None:

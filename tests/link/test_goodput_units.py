@@ -57,6 +57,21 @@ def test_a_heal_discards_what_the_launch_trained_before_it() -> None:
     assert heal_s(_inc(0, 0, 0.0, rows[:4])) is None
 
 
+def test_a_second_heal_keeps_what_earlier_commits_carried() -> None:
+    # healed at its first sync (steps 1-4 lost), commits at steps 16 and 20, trains 21-22, its sync fails and it
+    # is healed again to the peer's step 24: rows 13-20 were committed (8), 21-22 are overwritten; then 25-28
+    rows = [(10.0 + s, _row(s, 0)) for s in range(1, 5)]
+    rows.append((15.0, "lowband.train: healed from a live peer at step 4: continuing at its step 12"))
+    rows += [(15.0 + 0.5 * (s - 12), _row(s, s // 4, total=28)) for s in range(13, 23)]
+    rows.append((30.0, "lowband.train: healed from a live peer at step 22: continuing at its step 24"))
+    rows += [(30.0 + 0.5 * (s - 24), _row(s, s // 4, total=28)) for s in range(25, 29)]
+    assert committed_steps(_inc(1, 1, 8.0, rows), static=False) == 8 + 4
+    # killed after step 26, before the commit at 28: the rows after the second heal do not count
+    assert committed_steps(_inc(1, 1, 8.0, rows[:-2], code=-9, killed=True), static=False) == 8
+    # heal time stays the first heal's
+    assert heal_s(_inc(1, 1, 8.0, rows)) == pytest.approx(15.5 - 8.0)
+
+
 def test_a_failed_static_launch_keeps_the_steps_up_to_its_last_checkpoint() -> None:
     rows = [(1.0 + s, _row(s, s // 4)) for s in range(1, 8)]
     rows.insert(5, (6.5, "lowband.train: checkpoint step-5 (0.01 s)"))
