@@ -86,7 +86,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contenders", default="all",
                    help="comma-separated (see lowband.bench.link_contenders.CONTENDERS, or strategy:NAME); "
                         "all = every registered one; ddp is always run first (the target)")
-    p.add_argument("--steps", type=int, default=40, help="ddp's steps (its final val loss is the target)")
+    p.add_argument("--steps", type=int, default=40,
+                   help="ddp's steps (its final val loss is the target); with --horizon flat, its most steps")
+    p.add_argument("--horizon", choices=("steps", "flat"), default="steps",
+                   help="steps: ddp trains --steps steps; flat: ddp trains until its validation loss has flattened "
+                        "(the mean of its last --flat-window evaluations is within --flat-tol of the mean of the "
+                        "window before), at most --steps steps")
+    p.add_argument("--flat-window", type=int, default=10, help="evaluations per window of --horizon flat")
+    p.add_argument("--flat-tol", type=float, default=0.005,
+                   help="relative improvement between two windows below which ddp's loss counts as flat")
     p.add_argument("--global-batch", type=int, default=16, help="sequences per step over all ranks")
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-embd", type=int, default=48)
@@ -128,8 +136,9 @@ def contender_list(text: str) -> list[str]:
 def rank_spec(opts: dict[str, Any], nodes: int) -> dict[str, Any]:
     keys = ("steps", "global_batch", "n_layer", "n_embd", "n_head", "seq_len", "vocab_size", "bigram_rows",
             "lr", "warmup", "seed", "eval_every", "setup_steps", "val_batches", "compute_steps", "target", "time_cap",
-            "max_steps_factor", "diloco_sync_every", "diloco_fragments")
-    spec = {k: opts[k] for k in keys}
+            "max_steps_factor", "diloco_sync_every", "diloco_fragments", "horizon", "flat_window", "flat_tol")
+    defaults = {"horizon": "steps", "flat_window": 10, "flat_tol": 0.005}
+    spec = {k: opts.get(k, defaults.get(k)) if k in defaults else opts[k] for k in keys}
     spec.update(contenders=contender_list(opts["contenders"]), nodes=nodes, threads=opts.get("threads") or 1,
                 pg_timeout_s=opts["pg_timeout"])
     return spec
@@ -152,6 +161,13 @@ def check_options(opts: dict[str, Any]) -> tuple[int, int]:
         raise ValueError(f"--setup-steps must be >= 0; got {opts['setup_steps']}")
     if opts["time_cap"] < 1 or opts["time_limit"] <= 0:
         raise ValueError("--time-cap must be >= 1 and --time-limit > 0")
+    if opts.get("horizon", "steps") not in ("steps", "flat"):
+        raise ValueError(f"--horizon must be steps or flat; got {opts['horizon']!r}")
+    if opts.get("flat_window", 10) < 1 or not 0 < opts.get("flat_tol", 0.005) < 1:
+        raise ValueError(f"--flat-window must be >= 1 and 0 < --flat-tol < 1; got {opts.get('flat_window')}, "
+                         f"{opts.get('flat_tol')}")
+    if opts.get("horizon") == "flat" and opts.get("target") is not None:
+        raise ValueError("--target and --horizon flat exclude each other: the flat ddp run sets the target")
     return world, nodes
 
 
@@ -283,11 +299,21 @@ def target_checks(results: list[dict[str, Any]], rate: str) -> list[str]:
     return lines
 
 
+def horizon_text(cfg: dict[str, Any], results: list[dict[str, Any]]) -> str:
+    if cfg.get("horizon", "steps") != "flat":
+        return f"ddp {cfg['steps']} steps"
+    ran = sorted({r["steps"] for r in results if r.get("contender") == BASELINE and "steps" in r})
+    return (f"ddp until flat (mean val loss of the last {cfg['flat_window']} evaluations within "
+            f"{cfg['flat_tol']:.1%} of the {cfg['flat_window']} before, at most {cfg['steps']} steps; it ran "
+            f"{', '.join(map(str, ran)) or '-'} steps)")
+
+
 def link_markdown(doc: dict[str, Any]) -> str:
     cfg = doc["config"]
     lines = [f"### `link` — world {doc['world_size']}, {cfg['topology']}, torch {doc['torch']}", "",
              f"Model: {cfg['params']:,} parameters ({cfg['model']}), global batch {cfg['global_batch']} x "
-             f"{cfg['model']['seq_len']} tokens, ddp {cfg['steps']} steps, eval every {cfg['eval_every']} steps.", ""]
+             f"{cfg['model']['seq_len']} tokens, {horizon_text(cfg, doc['results'])}, eval every {cfg['eval_every']} "
+             f"steps.", ""]
     for rate in cfg["bandwidths"]:
         rows = [r for r in doc["results"] if r["bandwidth"] == rate]
         ok = [r for r in rows if "error" not in r]
@@ -404,7 +430,10 @@ def launch(opts: dict[str, Any], stem: Path) -> dict[str, Any]:
     config = {"bandwidths": rates, "nodes": nodes, "topology": "flat (one node per rank)" if nodes == world
               else f"{nodes} nodes x {world // nodes} ranks (unshaped inside a node)",
               "model": dataclasses.asdict(cfg.model), "params": params, "global_batch": opts["global_batch"],
-              "steps": opts["steps"], "eval_every": opts["eval_every"], "val_batches": opts["val_batches"],
+              "steps": opts["steps"], "horizon": opts.get("horizon", "steps"),
+              "flat_window": opts.get("flat_window", 10), "flat_tol": opts.get("flat_tol", 0.005),
+              "eval_every": opts["eval_every"],
+              "val_batches": opts["val_batches"],
               "lr": opts["lr"], "warmup": opts["warmup"], "schedule": "constant after warmup",
               "time_cap": opts["time_cap"], "max_steps_factor": opts["max_steps_factor"],
               "budget_fractions": opts["budgets"], "diloco": dataclasses.asdict(cfg.diloco),

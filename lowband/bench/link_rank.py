@@ -5,9 +5,10 @@ namespace (torch's ``env://`` rendezvous, gloo on ``lb0``). On every rank alike 
 
 1. measures the compute-only step time (the same model, batch and AdamW, no communication);
 2. trains each contender in turn on the built-in corpus, same model, same global batch, each from the
-   same seed: ``ddp`` first for ``steps`` steps (its final validation loss is the default target),
+   same seed: ``ddp`` first for ``steps`` steps (its final validation loss is the default target), or,
+   with ``horizon = "flat"``, until its validation loss has flattened (:func:`flattened`, at most ``steps``),
    every other one until it reaches the target, or its training clock passes ``time_cap x`` ddp's
-   time, or ``max_steps_factor x steps`` steps;
+   time, or ``max_steps_factor x`` ddp's steps;
 3. per contender: the training clock (the sum of step times, evaluations excluded; every rank's
    clock averaged), validation loss every ``eval_every`` steps, the ledger's wire bytes, and this
    rank's ``lb0`` rx/tx byte counters over the same window.
@@ -95,11 +96,26 @@ def compute_only_step_s(cfg: Config, batches: Any, steps: int) -> float:
     return statistics.median(times[1:] if len(times) > 1 else times)
 
 
+def flattened(curve: list[list[float]], window: int, tol: float) -> bool:
+    """Whether a validation curve (``[clock, step, val]`` rows, the first at step 0) has flattened: the mean of
+    its last ``window`` evaluations is lower than the mean of the ``window`` before them by less than ``tol``
+    of the latter (relative). Needs ``2 * window`` evaluations after step 0."""
+    vals = [v for _c, _s, v in curve[1:]]
+    if len(vals) < 2 * window:
+        return False
+    last = sum(vals[-window:]) / window
+    before = sum(vals[-2 * window:-window]) / window
+    return before - last < tol * abs(before)
+
+
 def train_contender(trainee: Trainee, env: DistEnv, loader: Any, val: list, *, fixed_steps: int | None,
                     target: float | None, time_cap_s: float, max_steps: int, eval_every: int,
-                    uplink_pid: int | None = None, setup_steps: int = 2) -> dict[str, Any]:
+                    uplink_pid: int | None = None, setup_steps: int = 2,
+                    until_flat: tuple[int, float] | None = None) -> dict[str, Any]:
     """Train until ``fixed_steps`` (when given) or the target / time cap / step cap; see module doc.
-    ``uplink_pid``: a process in this rank's node namespace; its ``up0`` counters are read too."""
+    ``until_flat = (window, tol)``: train until :func:`flattened` (or ``max_steps``) instead, with no target and
+    no time cap (the long-horizon ddp run). ``uplink_pid``: a process in this rank's node namespace; its ``up0``
+    counters are read too."""
 
     def uplink() -> tuple[int, int]:
         return read_proc_counters(uplink_pid, "up0") if uplink_pid is not None else (0, 0)
@@ -145,7 +161,10 @@ def train_contender(trainee: Trainee, env: DistEnv, loader: Any, val: list, *, f
         evals += 1
         curve.append([c, step, v])
         reached = reached or (target is not None and v <= target)
-        if fixed_steps is not None:
+        if until_flat is not None:
+            if flattened(curve, *until_flat) or step >= max_steps:
+                break
+        elif fixed_steps is not None:
             if step >= fixed_steps:
                 break
         elif reached or c >= time_cap_s or step >= max_steps:
@@ -187,6 +206,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
     uplink_pid = anchors[env.rank // rpn] if anchors and env.rank % rpn == 0 else None  # one reader per node
     target: float | None = spec.get("target")
     ddp_clock: float | None = None
+    ddp_steps = spec["steps"]
     rows: list[dict[str, Any]] = []
     for name in spec["contenders"]:
         lspec = resolve(name)
@@ -199,12 +219,20 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
                 print(f"link_rank: {name}: set-up failed: {type(e).__name__}: {e}", flush=True)
             continue
         first = ddp_clock is None
-        res = train_contender(trainee, env, loader, val, fixed_steps=spec["steps"] if first else None,
-                              target=target, time_cap_s=spec["time_cap"] * (ddp_clock or 0.0),
-                              max_steps=spec["steps"] * spec["max_steps_factor"], eval_every=spec["eval_every"],
-                              uplink_pid=uplink_pid, setup_steps=spec["setup_steps"])
+        flat = spec.get("horizon", "steps") == "flat"
+        if first and flat:  # the long horizon: ddp until its loss has flattened, at most `steps` steps
+            res = train_contender(trainee, env, loader, val, fixed_steps=None, target=None, time_cap_s=0.0,
+                                  max_steps=spec["steps"], eval_every=spec["eval_every"], uplink_pid=uplink_pid,
+                                  setup_steps=spec["setup_steps"],
+                                  until_flat=(spec["flat_window"], spec["flat_tol"]))
+        else:
+            res = train_contender(trainee, env, loader, val, fixed_steps=spec["steps"] if first else None,
+                                  target=target, time_cap_s=spec["time_cap"] * (ddp_clock or 0.0),
+                                  max_steps=(ddp_steps if flat else spec["steps"]) * spec["max_steps_factor"],
+                                  eval_every=spec["eval_every"], uplink_pid=uplink_pid,
+                                  setup_steps=spec["setup_steps"])
         if first:
-            ddp_clock = res["clock_s"]
+            ddp_clock, ddp_steps = res["clock_s"], res["steps"]
             if target is None:
                 target = res["final_val_loss"]
                 res["time_to_target_s"] = crossing_time(res["curve"], target)

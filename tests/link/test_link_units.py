@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from lowband.bench.link import bandwidth_rows, contender_list, link_markdown, target_checks
+from lowband.bench.link import bandwidth_rows, check_options, contender_list, horizon_text, link_markdown, target_checks
 from lowband.bench.link_contenders import CONTENDERS, LinkSpec, LinkTopo, register_contender, resolve
-from lowband.bench.link_rank import crossing_time, link_config
+from lowband.bench.link_rank import crossing_time, flattened, link_config
 
 
 def test_crossing_time_interpolates_between_evaluations() -> None:
@@ -17,6 +17,34 @@ def test_crossing_time_interpolates_between_evaluations() -> None:
     assert crossing_time(curve, 4.0) == 2.0
     assert crossing_time(curve, 5.5) == 0.0
     assert crossing_time(curve, 2.9) is None
+
+
+def test_flat_criterion_compares_the_means_of_two_windows() -> None:
+    def curve(vals: list[float]) -> list[list[float]]:
+        return [[0.0, 0, 6.0]] + [[float(i), 4 * (i + 1), v] for i, v in enumerate(vals)]
+
+    falling = [5.0 - 0.1 * i for i in range(8)]  # windows of 4: means 4.85 and 4.45, 8 % apart
+    assert not flattened(curve(falling), 4, 0.005)
+    assert flattened(curve(falling), 4, 0.1)
+    noisy_flat = [3.0, 3.02, 2.99, 3.01, 3.0, 3.01, 2.99, 3.0]  # means 3.005 and 3.0: 0.17 % apart
+    assert flattened(curve(noisy_flat), 4, 0.005) and not flattened(curve(noisy_flat), 4, 0.001)
+    assert not flattened(curve(noisy_flat[:7]), 4, 0.5)  # fewer than two windows: never flat
+    assert flattened(curve([3.0, 3.0, 3.1, 3.2]), 2, 0.005)  # rising: flat (no more improvement)
+
+
+def test_horizon_options_and_header() -> None:
+    base = {"world": 2, "nodes": 0, "global_batch": 16, "steps": 400, "eval_every": 4, "val_batches": 2,
+            "compute_steps": 6, "max_steps_factor": 3, "setup_steps": 2, "time_cap": 2.0, "time_limit": 900.0,
+            "target": None}
+    assert check_options({**base, "horizon": "flat", "flat_window": 10, "flat_tol": 0.005}) == (2, 2)
+    with pytest.raises(ValueError, match="--flat-window must be >= 1"):
+        check_options({**base, "horizon": "flat", "flat_window": 0, "flat_tol": 0.005})
+    with pytest.raises(ValueError, match="--target and --horizon flat exclude each other"):
+        check_options({**base, "horizon": "flat", "flat_window": 10, "flat_tol": 0.005, "target": 3.0})
+    cfg = {"steps": 400, "horizon": "flat", "flat_window": 10, "flat_tol": 0.005}
+    text = horizon_text(cfg, [{"contender": "ddp", "steps": 212}, {"contender": "diloco-int8", "steps": 40}])
+    assert text.startswith("ddp until flat") and "it ran 212 steps" in text and "at most 400 steps" in text
+    assert horizon_text({"steps": 40}, []) == "ddp 40 steps"
 
 
 def _raw(name: str, ttt: float | None, steps: int = 8) -> dict:
