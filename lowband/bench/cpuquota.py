@@ -26,6 +26,8 @@ import secrets
 import time
 from pathlib import Path
 
+from lowband.bench.netns import ScopedResource
+
 PERIOD_US = 100_000
 PREFIX = "lowband-"
 _NAME_RE = re.compile(rf"^{PREFIX}(\d+)x[0-9a-f]{{4}}$")
@@ -79,7 +81,7 @@ def _rmdir_when_empty(path: Path, timeout_s: float = 10.0) -> bool:
             time.sleep(0.05)
 
 
-class CpuQuotas:
+class CpuQuotas(ScopedResource):
     """One cgroup per name, each capped at ``cpus`` CPUs; a context manager.
 
     Args:
@@ -103,17 +105,6 @@ class CpuQuotas:
         self.root, self.version = controller_root()
         self.base = self.root / f"{PREFIX}{os.getpid()}x{secrets.token_hex(2)}"
         self.created: list[Path] = []
-
-    def __enter__(self) -> CpuQuotas:
-        try:
-            self.open()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def path(self, name: str) -> Path:
         if name not in self.names:

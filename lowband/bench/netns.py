@@ -38,6 +38,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 PREFIX = "lbk"
 """Every namespace this module creates is named ``lbk<pid>x<4 hex>`` + a role suffix."""
@@ -203,7 +204,29 @@ class Topology:
         return rank // self.ranks_per_node
 
 
-class ShapedNetwork:
+class ScopedResource:
+    """A context manager over :meth:`open` / :meth:`close`: entering opens (closing again what a failed open
+    created), leaving closes, on every exit path. ``close`` must be idempotent."""
+
+    def open(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        try:
+            self.open()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ShapedNetwork(ScopedResource):
     """One run's namespaces, links and qdiscs (see the module docstring); a context manager.
 
     Args:
@@ -242,17 +265,6 @@ class ShapedNetwork:
         return f"{SUBNET}.{rank + 1}"
 
     # ---------------------------------------------------------------- set-up / tear-down
-    def __enter__(self) -> ShapedNetwork:
-        try:
-            self.open()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def _ns(self, name: str) -> None:
         _run(["ip", "netns", "add", name])
         self.created.append(name)
