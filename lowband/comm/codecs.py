@@ -191,9 +191,13 @@ class CodecHandle:
     Phase 1 is the all-to-all of encoded chunks (issued at creation). :meth:`poll` (never blocks)
     moves to phase 2 once phase 1 has completed: local decode + sum + re-encode, then the all-gather
     is issued asynchronously. :meth:`wait` blocks through both phases and returns the reduced tensor.
-    Phase 2 is issued by ``poll`` or ``wait``, whichever comes first; callers must poll/wait their
-    handles in the same order on every rank (the all-gathers of one group must be issued in the same
-    order everywhere).
+    Phase 2 is issued by ``poll`` or ``wait``, whichever comes first. The all-gathers of one group must be
+    issued in the same order on every rank, so callers wait for their handles in order and poll them in
+    order **stopping at the first that returns False** (as :class:`~lowband.diloco.StreamingDiLoCo`
+    does): a later handle's phase 1 can complete before an earlier one's (gloo runs asynchronous work
+    on several threads), and polling past a pending handle would issue the later phase 2 first on one
+    rank and second on another, pairing different collectives (a size-mismatch abort in gloo, or
+    silently mixed data when the sizes agree).
     """
 
     def __init__(self, first: CommHandle, reduce_local, finish) -> None:

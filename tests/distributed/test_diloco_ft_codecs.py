@@ -65,7 +65,8 @@ def _inputs(replica: int, rnd: int, idx: int) -> torch.Tensor:
 # ------------------------------------------------------------------------- collective level
 def _coll_replica(replica: int, lighthouse: str, rounds: list[dict], gates: list, out: Any) -> None:
     """Per round: wait for its gate (if any), quorum, one ``all_reduce`` per codec (all issued, then
-    polled and waited in order), optional injected ``report_error``, ``should_commit``; report it all."""
+    polled in order up to the first not advanced, then waited in order), optional injected ``report_error``,
+    ``should_commit``; report it all."""
     from lowband.comm import CommLedger
     from lowband.diloco.ft import TorchftMembership
 
@@ -93,8 +94,9 @@ def _coll_replica(replica: int, lighthouse: str, rounds: list[dict], gates: list
             items.append((name, x, flat, res, h))
         if inject == "during":
             manager.report_error(RuntimeError("injected failure during the collective"))
-        for *_, h in items:
-            h.poll()
+        for *_, h in items:  # in order, stopping at the first not advanced, as StreamingDiLoCo polls: a later
+            if not h.poll():  # handle's phase 1 may finish first (gloo's worker threads), and issuing its phase 2
+                break  # before an earlier one's would pair different collectives across replicas
         results = {}
         for name, x, flat, res, h in items:
             raised = None
