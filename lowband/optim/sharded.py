@@ -45,9 +45,12 @@ State layout per rank: AdamW ``exp_avg``/``exp_avg_sq`` of ``numel / N`` element
 owned shard, accumulation dtype: fp32, or fp64 for fp64 parameters) plus ``steps``, one integer step
 count per member (torch's per-parameter ``step``; every rank keeps all of them); Muon a
 ``momentum_buffer`` ``[real_owned, rows, cols]`` per unit; ``master`` (fp32 copy of the owned slice)
-where parameters travel or are stored narrower than fp32. ``self.state`` is keyed by unit index;
+where parameters travel or are stored narrower than fp32; with ``grad_error_feedback``, a residual per unit
+(fp32, the unit's whole size, this rank's own: in no state dict, zero after any load). ``self.state`` is keyed
+by unit index;
 :meth:`ShardedOptimizer.state_dict` presents it per parameter as ``Shard(0)`` DTensors for torch DCP
-(gathered), :class:`lowband.optim.sharded_state.ShardedStateLayout` per parameter as rank-local chunks
+(one all-to-all per unit between owners and ``Shard(0)`` holders, :mod:`lowband.optim.sharded_exchange`),
+:class:`lowband.optim.sharded_state.ShardedStateLayout` per parameter as rank-local chunks
 (no gather), :meth:`ShardedOptimizer.shard_state_dict` as the raw shard.
 Parameters become views into the flat parameter buffers (``p.data`` is re-pointed at construction),
 so the all-gather writes the parameters in place; gradients stay in ``p.grad`` (local, not averaged;
