@@ -86,15 +86,6 @@ class Incarnation:
         return vals[-1] if vals else None
 
 
-def _after_last_heal(inc: Incarnation) -> list[tuple[float, int, int | None]]:
-    rows = inc.rows()
-    heals = inc.heals()
-    if not heals:
-        return rows
-    t_heal = heals[-1][0]
-    return [r for r in rows if r[0] >= t_heal]
-
-
 def _up_to_last_commit(rows: list[tuple[float, int, int | None]]) -> int:
     """Rows up to the last one whose ``outer_steps`` grew over the row before it (0 when it never grew)."""
     keep = 0
@@ -107,8 +98,8 @@ def _up_to_last_commit(rows: list[tuple[float, int, int | None]]) -> int:
 
 def committed_steps(inc: Incarnation, static: bool) -> int:
     """The inner steps of ``inc`` that survive (see the module docstring)."""
-    if static:
-        rows = _after_last_heal(inc)
+    if static:  # one job, resumed from its checkpoints: nothing heals it
+        rows = inc.rows()
         if inc.finished:
             return len(rows)
         last = max(inc.checkpoints(), default=inc.resumed_step())

@@ -53,6 +53,8 @@ LAUNCHER = True
 """``python -m lowband.bench`` runs this suite in its own process (it starts its own ranks; see
 ``lowband.bench.__main__.launcher_main``)."""
 BASELINE = "ddp"
+HORIZON_DEFAULTS: dict[str, Any] = {"horizon": "steps", "flat_window": 10, "flat_tol": 0.005}
+"""``--horizon`` and its window and tolerance when not given (also for option dicts built by callers)."""
 NOT_LOWBAND = ("ddp", "zero", "fsdp2")
 """Contenders that are torch's own; "lowband's best" is the best of the rest."""
 
@@ -88,12 +90,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "all = every registered one; ddp is always run first (the target)")
     p.add_argument("--steps", type=int, default=40,
                    help="ddp's steps (its final val loss is the target); with --horizon flat, its most steps")
-    p.add_argument("--horizon", choices=("steps", "flat"), default="steps",
+    p.add_argument("--horizon", choices=("steps", "flat"), default=HORIZON_DEFAULTS["horizon"],
                    help="steps: ddp trains --steps steps; flat: ddp trains until its validation loss has flattened "
                         "(the mean of its last --flat-window evaluations is within --flat-tol of the mean of the "
                         "window before), at most --steps steps")
-    p.add_argument("--flat-window", type=int, default=10, help="evaluations per window of --horizon flat")
-    p.add_argument("--flat-tol", type=float, default=0.005,
+    p.add_argument("--flat-window", type=int, default=HORIZON_DEFAULTS["flat_window"],
+                   help="evaluations per window of --horizon flat")
+    p.add_argument("--flat-tol", type=float, default=HORIZON_DEFAULTS["flat_tol"],
                    help="relative improvement between two windows below which ddp's loss counts as flat")
     p.add_argument("--global-batch", type=int, default=16, help="sequences per step over all ranks")
     p.add_argument("--n-layer", type=int, default=2)
@@ -137,8 +140,7 @@ def rank_spec(opts: dict[str, Any], nodes: int) -> dict[str, Any]:
     keys = ("steps", "global_batch", "n_layer", "n_embd", "n_head", "seq_len", "vocab_size", "bigram_rows",
             "lr", "warmup", "seed", "eval_every", "setup_steps", "val_batches", "compute_steps", "target", "time_cap",
             "max_steps_factor", "diloco_sync_every", "diloco_fragments", "horizon", "flat_window", "flat_tol")
-    defaults = {"horizon": "steps", "flat_window": 10, "flat_tol": 0.005}
-    spec = {k: opts.get(k, defaults.get(k)) if k in defaults else opts[k] for k in keys}
+    spec = {k: opts.get(k, HORIZON_DEFAULTS[k]) if k in HORIZON_DEFAULTS else opts[k] for k in keys}
     spec.update(contenders=contender_list(opts["contenders"]), nodes=nodes, threads=opts.get("threads") or 1,
                 pg_timeout_s=opts["pg_timeout"])
     return spec
@@ -161,12 +163,13 @@ def check_options(opts: dict[str, Any]) -> tuple[int, int]:
         raise ValueError(f"--setup-steps must be >= 0; got {opts['setup_steps']}")
     if opts["time_cap"] < 1 or opts["time_limit"] <= 0:
         raise ValueError("--time-cap must be >= 1 and --time-limit > 0")
-    if opts.get("horizon", "steps") not in ("steps", "flat"):
-        raise ValueError(f"--horizon must be steps or flat; got {opts['horizon']!r}")
-    if opts.get("flat_window", 10) < 1 or not 0 < opts.get("flat_tol", 0.005) < 1:
-        raise ValueError(f"--flat-window must be >= 1 and 0 < --flat-tol < 1; got {opts.get('flat_window')}, "
-                         f"{opts.get('flat_tol')}")
-    if opts.get("horizon") == "flat" and opts.get("target") is not None:
+    h = horizon(opts)
+    if h["horizon"] not in ("steps", "flat"):
+        raise ValueError(f"--horizon must be steps or flat; got {h['horizon']!r}")
+    if h["flat_window"] < 1 or not 0 < h["flat_tol"] < 1:
+        raise ValueError(f"--flat-window must be >= 1 and 0 < --flat-tol < 1; got {h['flat_window']}, "
+                         f"{h['flat_tol']}")
+    if h["horizon"] == "flat" and opts.get("target") is not None:
         raise ValueError("--target and --horizon flat exclude each other: the flat ddp run sets the target")
     return world, nodes
 
@@ -299,8 +302,13 @@ def target_checks(results: list[dict[str, Any]], rate: str) -> list[str]:
     return lines
 
 
+def horizon(opts: dict[str, Any]) -> dict[str, Any]:
+    """``horizon``, ``flat_window`` and ``flat_tol`` of ``opts``, :data:`HORIZON_DEFAULTS` where absent."""
+    return {k: opts.get(k, v) for k, v in HORIZON_DEFAULTS.items()}
+
+
 def horizon_text(cfg: dict[str, Any], results: list[dict[str, Any]]) -> str:
-    if cfg.get("horizon", "steps") != "flat":
+    if horizon(cfg)["horizon"] != "flat":
         return f"ddp {cfg['steps']} steps"
     ran = sorted({r["steps"] for r in results if r.get("contender") == BASELINE and "steps" in r})
     return (f"ddp until flat (mean val loss of the last {cfg['flat_window']} evaluations within "
@@ -430,9 +438,7 @@ def launch(opts: dict[str, Any], stem: Path) -> dict[str, Any]:
     config = {"bandwidths": rates, "nodes": nodes, "topology": "flat (one node per rank)" if nodes == world
               else f"{nodes} nodes x {world // nodes} ranks (unshaped inside a node)",
               "model": dataclasses.asdict(cfg.model), "params": params, "global_batch": opts["global_batch"],
-              "steps": opts["steps"], "horizon": opts.get("horizon", "steps"),
-              "flat_window": opts.get("flat_window", 10), "flat_tol": opts.get("flat_tol", 0.005),
-              "eval_every": opts["eval_every"],
+              "steps": opts["steps"], **horizon(opts), "eval_every": opts["eval_every"],
               "val_batches": opts["val_batches"],
               "lr": opts["lr"], "warmup": opts["warmup"], "schedule": "constant after warmup",
               "time_cap": opts["time_cap"], "max_steps_factor": opts["max_steps_factor"],

@@ -228,7 +228,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
         else:
             res = train_contender(trainee, env, loader, val, fixed_steps=spec["steps"] if first else None,
                                   target=target, time_cap_s=spec["time_cap"] * (ddp_clock or 0.0),
-                                  max_steps=(ddp_steps if flat else spec["steps"]) * spec["max_steps_factor"],
+                                  max_steps=ddp_steps * spec["max_steps_factor"],
                                   eval_every=spec["eval_every"], uplink_pid=uplink_pid,
                                   setup_steps=spec["setup_steps"])
         if first:

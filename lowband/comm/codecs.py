@@ -393,15 +393,20 @@ def reduce_scatter_error(input: torch.Tensor, n: int, codec: Codec) -> torch.Ten
     """This rank's encoding error in a :func:`codec_reduce_scatter` of ``input`` over ``n`` ranks:
     ``input - decoded``, where ``decoded`` is exactly what the ``n`` owners decode from this rank's
     message (each chunk padded and encoded on its own, decoded in fp32, fp64 for fp64 input). Same
-    shape as ``input``, in the accumulation dtype (fp32, fp64 for fp64 input). Error feedback adds it to the next input
-    (:class:`lowband.optim.ShardedOptimizer` ``grad_error_feedback``)."""
+    shape as ``input``, in the accumulation dtype (fp32, fp64 for fp64 input). Error feedback adds it to
+    the next input (:class:`lowband.optim.ShardedOptimizer` ``grad_error_feedback``)."""
     shard = input.numel() // n
     if input.numel() != n * shard:
         raise ValueError(f"reduce_scatter_error: input has {input.numel()} elements, not a multiple of {n}")
     acc = _acc_dtype(input.dtype)
-    chunk = chunk_layout(shard, 1, codec)
-    dec = codec.decode(codec.encode(_padded_chunks(input.reshape(n, shard), codec)), chunk, acc)
+    dec = _owners_decode(input.reshape(n, shard), codec, acc)
     return (input.reshape(n, shard).to(acc) - dec[:, :shard]).reshape(input.shape)
+
+
+def _owners_decode(chunks: torch.Tensor, codec: Codec, dtype: torch.dtype) -> torch.Tensor:
+    """``(N, shard)`` -> ``(N, chunk)``: what the owners decode (in ``dtype``) of one rank's
+    :func:`codec_reduce_scatter` message, row ``j`` at rank ``j`` (each row padded and encoded on its own)."""
+    return codec.decode(codec.encode(_padded_chunks(chunks, codec)), chunk_layout(chunks.shape[1], 1, codec), dtype)
 
 
 def _padded_chunks(chunks: torch.Tensor, codec: Codec) -> torch.Tensor:
@@ -428,10 +433,9 @@ def reference_reduce_scatter(inputs: Sequence[torch.Tensor], codec: Codec, op: s
     n = len(inputs)
     shard = inputs[0].numel() // n
     out_dtype = out_dtype or inputs[0].dtype
-    chunk = chunk_layout(shard, 1, codec)
     acc = None
     for x in inputs:  # rows encode independently: row j is what this rank sends to rank j
-        dec = codec.decode(codec.encode(_padded_chunks(x.reshape(n, shard), codec)), chunk, _acc_dtype(out_dtype))
+        dec = _owners_decode(x.reshape(n, shard), codec, _acc_dtype(out_dtype))
         acc = dec if acc is None else acc.add_(dec)
     assert acc is not None
     if op == "avg":

@@ -679,10 +679,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Computed the same way at launch and again at :meth:`_commit_residuals`, so both see the same bits."""
         unit, residual = self._units[ui], self._residuals[ui]
         x = unit.grad_buf.to(residual.dtype, copy=True)
-        for mi, m in enumerate(unit.layout.members):
-            if unit.grad_ref[mi] is not None:
-                x[m.offset:m.offset + m.numel].add_(residual[m.offset:m.offset + m.numel])
+        for held in self._held(unit):
+            x[held].add_(residual[held])
         return x
+
+    @staticmethod
+    def _held(unit: _Unit) -> list[slice]:
+        """The flat ranges of ``unit``'s members that hold a gradient on this rank this step."""
+        return [slice(m.offset, m.offset + m.numel) for mi, m in enumerate(unit.layout.members)
+                if unit.grad_ref[mi] is not None]
 
     @torch.no_grad()
     def _commit_residuals(self) -> None:
@@ -692,11 +697,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         n = self.comm.size
         assert self.grad_codec is not None
         for ui, residual in self._residuals.items():
-            unit = self._units[ui]
             err = reduce_scatter_error(self._ef_input(ui), n, self.grad_codec)
-            for mi, m in enumerate(unit.layout.members):
-                if unit.grad_ref[mi] is not None:
-                    residual[m.offset:m.offset + m.numel].copy_(err[m.offset:m.offset + m.numel])
+            for held in self._held(self._units[ui]):
+                residual[held].copy_(err[held])
 
     def _reset_residuals(self) -> None:
         """Loaded state does not carry this rank's residual (it is not a shard of anything): start from zero."""
