@@ -54,7 +54,11 @@ demand and touch no chain state.
 Gathers may travel quantized (``gather_format``): ``bf16``, or ``fp8`` e4m3 with per-block fp32
 scales whose blocks never straddle a shard (see :mod:`lowband.parallel.gtp_quant`); the shard is
 quantized at every gather, or once per optimizer step with ``cache_wire_shard``. Gradients stay
-in the parameter dtype on the wire (or ``grad_wire_dtype=torch.bfloat16``).
+in the parameter dtype on the wire, or take ``grad_wire_dtype`` (bf16, or block-scaled ``"fp8"``/``"int8"``):
+the reduce-scatters and the replicated all-reduce alike; with a block-scaled wire the replicated
+gradients go through :func:`lowband.comm.codecs.codec_all_reduce` (an all-to-all and an all-gather, tag
+``gtp:replicated``) and the flags, which must stay exact, through a float32 all-reduce of their own
+(``gtp:replicated:flags``).
 
 Buffers come from :class:`~lowband.parallel.gtp_cache.GTPBufferCache` keyed by
 ``(shape, dtype, direction, parity)`` (direction: ``fwd`` / ``bwd`` for fp8 gathers, one shared
@@ -97,7 +101,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from lowband.comm import Comm, CommHandle
-from lowband.comm.codecs import DEFAULT_BLOCK_SIZE, Codec, codec_reduce_scatter, get_codec
+from lowband.comm.codecs import DEFAULT_BLOCK_SIZE, Codec, codec_all_reduce, codec_reduce_scatter, get_codec
 from lowband.comm.comm import true_div_
 from lowband.comm.opaque import opaque
 from lowband.parallel.dense import dense_embedding, dense_linear
@@ -145,7 +149,8 @@ class GTPOptions:
         async_reduction: reduce-scatter asynchronously with a deferred finalize.
         finalize_depth: reduce-scatters left in flight before the oldest is finalized (>= 0).
         grad_mode: ``mean`` (pre-scale wgrad by 1/N, replicated grads averaged) or ``sum``.
-        grad_wire_dtype: wire dtype of the reduce-scatter (``None``: the parameter dtype, or bf16), or
+        grad_wire_dtype: wire of every gradient collective (reduce-scatters and the replicated all-reduce;
+            ``None``: the parameter dtype, or bf16), or
             ``"fp8"`` / ``"int8"``: block-scaled (one fp32 scale per ``grad_block_size`` elements of each
             rank's shard rows, :func:`lowband.comm.codecs.codec_reduce_scatter`: one all-to-all, fp32 sums
             in rank order at the owner).
@@ -386,8 +391,10 @@ class GTPRuntime:
         weights = self.weights
         local = self._nonfinite_local() if self.options.share_nonfinite and self.size > 1 and weights else None
         try:
-            res = _reduce_grads(self.comm, params, op, tag="gtp:replicated", wire_dtype=None,
-                                extra_flags=[gw.used for gw in weights], extra_tensor=local)
+            codec = self._grad_codec  # every gradient GTP sends takes the wire of options.grad_wire_dtype
+            wire = None if codec is not None else self.options.grad_wire_dtype
+            res = _reduce_grads(self.comm, params, op, tag="gtp:replicated", wire_dtype=wire,  # type: ignore[arg-type]
+                                extra_flags=[gw.used for gw in weights], extra_tensor=local, codec=codec)
         except RuntimeError as e:
             raise GTPCollectiveError(
                 f"GTP: the all-reduce of the replicated gradients over group {self.comm.name!r} (size "
@@ -1430,7 +1437,7 @@ def replicated_params(model: nn.Module) -> list[nn.Parameter]:
 
 
 def reduce_grads(comm: Comm, params: Iterable[torch.Tensor], op: str = "avg", *, tag: str = "grad",
-                 wire_dtype: torch.dtype | None = None) -> None:
+                 wire_dtype: torch.dtype | str | None = None, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
     """One coalesced all-reduce (per dtype) of the ``.grad`` of ``params`` over ``comm``, with
     PyTorch's semantics for parameters that got no gradient.
 
@@ -1444,17 +1451,27 @@ def reduce_grads(comm: Comm, params: Iterable[torch.Tensor], op: str = "avg", *,
     as :meth:`Comm.all_reduce`), tag ``tag``, whose buffer is the flat gradients followed by one
     *used* flag per parameter (``1`` if this rank has a ``.grad``): ``sum(numel) + len(params)``
     elements. Every rank must pass the same parameters in the same order.
+
+    ``wire_dtype="fp8"`` / ``"int8"``: the gradients travel block-scaled (``block_size`` elements per
+    fp32 scale) through :func:`lowband.comm.codecs.codec_all_reduce` (one all-to-all and one all-gather
+    of encoded chunks, fp32 sums in rank order, both tagged ``tag``; every rank decodes the same bytes, so
+    the reduced gradients agree bitwise), and the used flags travel exactly, in a float32 all-reduce of
+    their own (tag ``tag + ":flags"``, issued first and overlapped with the codec's exchange).
     """
-    _reduce_grads(comm, params, op, tag=tag, wire_dtype=wire_dtype)
+    codec = get_codec(wire_dtype, block_size=block_size) if isinstance(wire_dtype, str) else None
+    _reduce_grads(comm, params, op, tag=tag, wire_dtype=None if codec else wire_dtype, codec=codec)  # type: ignore[arg-type]
 
 
 def _reduce_grads(comm: Comm, params: Iterable[torch.Tensor], op: str, *, tag: str,
                   wire_dtype: torch.dtype | None, extra_flags: list[bool] | None = None,
-                  extra_tensor: torch.Tensor | None = None) -> tuple[list[bool], list[bool]] | None:
+                  extra_tensor: torch.Tensor | None = None,
+                  codec: Codec | None = None) -> tuple[list[bool], list[bool]] | None:
     """:func:`reduce_grads`; ``extra_flags`` (one bool per item, this rank's) and ``extra_tensor`` (a 1-D
     tensor of 0/1 flags, this rank's, left on its device: no host sync before the collective) travel
     in the first dtype's all-reduce too. With no trainable parameter, an ``extra_tensor`` still travels
     (with ``extra_flags``) in an all-reduce of the flags alone (float32); without one nothing is sent.
+    With a ``codec`` (block-scaled, see :func:`reduce_grads`) the gradients go through
+    :func:`~lowband.comm.codecs.codec_all_reduce` and every flag through an exact float32 all-reduce of its own.
     Returns ``(mixed, anywhere)``: per extra flag whether it was set on some ranks but not all, and per
     element of ``extra_tensor`` whether it was set on any rank; or ``None`` if no all-reduce ran."""
     params = [p for p in params if p.requires_grad]
@@ -1485,14 +1502,24 @@ def _reduce_grads(comm: Comm, params: Iterable[torch.Tensor], op: str, *, tag: s
             flat[numel:numel + len(flags)].copy_(torch.tensor(flags, dtype=dtype))
         if n_t:
             flat[numel + len(flags):].copy_(extra_tensor)  # type: ignore[arg-type]
-        comm.all_reduce(flat, op, wire_dtype=wire_dtype, tag=tag)
+        if codec is None:
+            comm.all_reduce(flat, op, wire_dtype=wire_dtype, tag=tag)
+            wire = wire_dtype or dtype
+            got = flat[numel:].tolist()
+        else:  # the flags exactly, beside the codec's exchange of the gradients
+            flag_buf = flat[numel:].to(torch.float32)
+            pending = comm.all_reduce(flag_buf, op, async_op=True, tag=f"{tag}:flags") if flag_buf.numel() else None
+            if numel:
+                codec_all_reduce(comm, flat[:numel], codec, op=op, tag=tag)
+            if pending is not None:
+                pending.wait()
+            wire = torch.float32
+            got = flag_buf.tolist()
         # A flag reduces to exactly 0 when no rank set it (zeros stay zeros under any wire dtype);
         # set on every rank it reduces to N (sum) or 1 (avg), both exact in the wire dtype used here
         # when N is (bf16: N <= 256), the reduced value rounded like the flag went on the wire.
         full = float(comm.size if op == "sum" else 1)
-        wire = wire_dtype or dtype
         full = float(torch.tensor(full, dtype=torch.float64).to(wire).to(torch.float64))
-        got = flat[numel:].tolist()
         used = [g != 0.0 for g in got[: len(group)]]
         if first:
             mixed = [g != 0.0 and g != full for g in got[len(group):len(flags)]]

@@ -177,7 +177,8 @@ class StrategyConfig:
     grad_wire_dtype: str = "float32"
     """Gradients travel as float32 | bfloat16 (the reduction accumulates in fp32): ddp, sharded-*, gtp, diloco;
     fp8 (e4m3, one fp32 scale per 256 elements, one all-to-all per bucket or GTP weight, fp32 sums at the
-    owner): sharded-*, diloco.inner = sharded-* and gtp (gtp.size = the world) only."""
+    owner; gtp's replicated gradients and its data-parallel all-reduce as a block-scaled all-reduce):
+    sharded-*, diloco.inner = sharded-* and gtp only."""
     find_unused_parameters: bool = False
     """ddp (and diloco.inner = ddp): torch DDP's find_unused_parameters, needed by a model with parameters that
     get no gradient on some steps (branches, MoE routing, early exits): such a parameter is averaged with

@@ -11,13 +11,22 @@ per weight with the codec's exact bytes. The trainer key ``strategy.grad_wire_dt
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lowband.comm import default_ledger
-from lowband.comm.codecs import get_codec, reduce_scatter_wire_bytes, reference_reduce_scatter
+from lowband.comm.codecs import (
+    chunk_layout,
+    get_codec,
+    reduce_scatter_wire_bytes,
+    reference_all_reduce,
+    reference_reduce_scatter,
+)
+from lowband.comm.ledger import ring_wire_bytes
 from lowband.parallel import GTPOptions, GTPRuntime, shard_linears
 from lowband.parallel.mesh import build_mesh
 from lowband.testing import run_ranks
@@ -86,3 +95,109 @@ def test_trainer_key_sends_fp8_gradients(shard: str) -> None:
     cfg.data.source, cfg.data.train_bin, cfg.data.batch_size = "bin", shard, 2
     cfg.strategy.name, cfg.strategy.grad_wire_dtype = "gtp", "fp8"
     assert run_ranks(_trainer, 2, cfg) == [["all_to_all"], ["all_to_all"]]
+
+
+# --------------------------------------------------------------------- replicated gradients on the same wire
+REP = {"lin.bias": OUT, "scale": 40, "rare": 24, "never": 8}  # numel of each replicated parameter
+
+
+def _local_rep_grad(name: str, rank: int) -> torch.Tensor | None:
+    """This rank's gradient of replicated parameter ``name``: ``rare`` only on rank 0, ``never`` nowhere;
+    magnitudes spread over four decades so the blocks' scales differ."""
+    if name == "never" or (name == "rare" and rank != 0):
+        return None
+    g = torch.Generator().manual_seed(100 * rank + len(name))
+    return torch.randn(REP[name], generator=g) * torch.logspace(-2, 2, REP[name])
+
+
+def _replicated(name: str) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.lin = nn.Linear(IN, OUT)
+    for p in ("scale", "rare", "never"):
+        model.register_parameter(p, nn.Parameter(torch.zeros(REP[p])))
+    model.frozen = nn.Parameter(torch.zeros(5), requires_grad=False)
+    rt = GTPRuntime(build_mesh(gtp=world).gtp, GTPOptions(grad_wire_dtype=name, grad_block_size=BLOCK))
+    shard_linears(model, rt)
+    named = dict(model.named_parameters())
+    order = [n for n, p in named.items() if any(p is q for q in rt.attached_replicated()) and p.requires_grad]
+    for n in order:
+        g = _local_rep_grad(n, rank)
+        named[n].grad = None if g is None else g.clone()
+    ledger = default_ledger()
+    ledger.reset()
+    rt._reduce_replicated(rt.attached_replicated())
+    return {"order": order,
+            "grads": {n: None if named[n].grad is None else named[n].grad.clone() for n in order},
+            "recs": [(r.op, r.tag, r.numel, r.wire_bytes) for r in ledger.records]}
+
+
+@pytest.mark.parametrize(("world", "name"), [(2, "fp8"), (4, "fp8"), (2, "int8")])
+def test_replicated_gradients_take_the_block_scaled_wire(world: int, name: str) -> None:
+    """``grad_wire_dtype="fp8"``/``"int8"`` applies to the replicated parameters' all-reduce too: their
+    gradients (zeros where a rank has none) are bitwise the single-process codec all-reduce of the ranks'
+    concatenated gradients, the same on every rank; a parameter no rank has a gradient for keeps ``None``
+    and a frozen one is left out; the used flags travel exactly in a float32 all-reduce of their own."""
+    res = run_ranks(_replicated, world, name)
+    order = res[0]["order"]
+    assert sorted(order) == sorted(REP)  # model.parameters() order; the frozen parameter is left out
+    codec = get_codec(name, block_size=BLOCK)
+    inputs = []
+    for r in range(world):
+        parts = [_local_rep_grad(n, r) for n in order]
+        inputs.append(torch.cat([torch.zeros(REP[n]) if g is None else g for n, g in zip(order, parts)]))
+    ref = reference_all_reduce(inputs, codec, "avg")
+    exact = torch.stack(inputs).mean(0)
+    off = 0
+    for n in order:
+        for r in range(world):
+            got = res[r]["grads"][n]
+            if n == "never":
+                assert got is None, r
+            else:
+                assert torch.equal(got, ref[off:off + REP[n]]), (n, r)
+        off += REP[n]
+    # the codec really was on the wire: the reduction differs from the exact mean, within the codec's bound
+    assert not torch.equal(ref[:-REP["never"]], exact[:-REP["never"]])
+    numel = sum(REP.values())
+    chunk = chunk_layout(numel, world, codec)
+    per = (world - 1) * codec.encoded_nbytes(chunk)
+    enc = world * codec.encoded_nbytes(chunk)  # the records count the encoded bytes of the N chunks
+    n_flags = len(order) + 2  # one used flag per replicated parameter, then the GTP weight's used and non-finite flags
+    assert res[0]["recs"] == [
+        ("all_reduce", "gtp:replicated:flags", n_flags, ring_wire_bytes("all_reduce", world, 4 * n_flags)),
+        ("all_to_all", "gtp:replicated", enc, per), ("all_gather", "gtp:replicated", enc, per)]
+
+
+def _dp_trainer(cfg) -> dict:
+    from lowband.train.trainer import train
+
+    res = train(cfg, write_run_dir=False, log=False)
+    recs = res.strategy.env.ledger.records
+    shards = {n: p.detach().clone() for n, p in res.strategy.model.named_parameters()}
+    return {"ops": sorted({(r.tag, r.op) for r in recs if r.tag in ("grad", "grad:flags", "gtp:replicated",
+                                                                    "gtp:replicated:flags", "gtp:rs")}),
+            "shards": shards, "loss": res.final_loss}
+
+
+def test_trainer_fp8_gradients_with_data_parallel_gtp_groups(shard: str) -> None:
+    """``gtp.size = 2`` on 4 ranks with ``strategy.grad_wire_dtype = "fp8"``: the data-parallel all-reduce across
+    the GTP groups is block-scaled too (no longer refused), and the two data-parallel copies of every shard and
+    replicated parameter stay bitwise equal (every rank decodes the same bytes)."""
+    from lowband.train.config import Config
+
+    cfg = Config()
+    cfg.run.world_size, cfg.run.steps, cfg.run.val_every, cfg.run.log_every, cfg.run.threads = 4, 2, 0, 1, 1
+    cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, cfg.model.seq_len = 1, 32, 2, 16
+    cfg.data.source, cfg.data.train_bin, cfg.data.batch_size = "bin", shard, 2
+    cfg.strategy.name, cfg.strategy.grad_wire_dtype, cfg.gtp.size = "gtp", "fp8", 2
+    res = run_ranks(_dp_trainer, 4, cfg)
+    assert res[0]["ops"] == [("grad", "all_gather"), ("grad", "all_to_all"), ("grad:flags", "all_reduce"),
+                             ("gtp:replicated", "all_gather"), ("gtp:replicated", "all_to_all"),
+                             ("gtp:replicated:flags", "all_reduce"), ("gtp:rs", "all_to_all")]
+    for a, b in ((0, 2), (1, 3)):  # build_mesh: gtp groups {0, 1} and {2, 3}; ranks a and b hold the same shards
+        assert res[a]["shards"].keys() == res[b]["shards"].keys()
+        for n, t in res[a]["shards"].items():
+            assert torch.equal(t, res[b]["shards"][n]), (a, b, n)
+    assert all(math.isfinite(r["loss"]) for r in res)

@@ -42,8 +42,6 @@ def test_demo_config_loads_and_round_trips(tmp_path: Path) -> None:
     (["--strategy.name=diloco", "--diloco.inner=ddp", "--strategy.grad_wire_dtype=fp8"],
      r"strategy.name is 'diloco': use float32 or bfloat16"),
     (["--strategy.name=tp", "--strategy.grad_wire_dtype=fp8"], r"strategy.name is 'tp': use float32 or bfloat16"),
-    (["--strategy.name=gtp", "--gtp.size=1", "--strategy.grad_wire_dtype=fp8"],
-     r"with strategy gtp needs gtp.size = 0 or run.world_size \(2\), got 1"),
 ])
 def test_bad_overrides(overrides: list[str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -54,6 +52,13 @@ def test_bad_overrides(overrides: list[str], match: str) -> None:
 def test_fp8_gradients_are_accepted_by_the_sharded_strategies(name: str) -> None:
     cfg = load_config(ROOT / "configs" / "demo.toml", [f"--strategy.name={name}", "--strategy.grad_wire_dtype=fp8"])
     assert cfg.strategy.grad_wire_dtype == "fp8"
+
+
+def test_fp8_gradients_are_accepted_by_gtp_with_data_parallel_groups() -> None:
+    """gtp.size below the world: the data-parallel all-reduce across GTP groups is block-scaled too."""
+    cfg = load_config(ROOT / "configs" / "demo.toml", ["--strategy.name=gtp", "--gtp.size=1",
+                                                       "--strategy.grad_wire_dtype=fp8"])
+    assert (cfg.gtp.size, cfg.strategy.grad_wire_dtype) == (1, "fp8")
 
 
 def test_fp8_gradients_are_accepted_by_diloco_with_a_sharded_inner() -> None:

@@ -9,7 +9,10 @@ weight in forward (prefetched one ahead), one in backward (not for the token emb
 is a scatter-add), one async reduce-scatter of its wgrad (pre-scaled by 1/gtp), drained at the end
 of backward. Per step, after the last microbatch: one coalesced all-reduce (avg) of the replicated
 parameters' grads (norms, other embeddings) over the GTP group (tag ``gtp:replicated``), then, if
-``dp > 1``, one coalesced all-reduce (avg) of every grad over the DP group (tag ``grad``). Clipping:
+``dp > 1``, one coalesced all-reduce (avg) of every grad over the DP group (tag ``grad``). All of them
+take ``strategy.grad_wire_dtype``; with ``fp8`` the two all-reduces are block-scaled
+(:func:`lowband.comm.codecs.codec_all_reduce`) and their used flags travel exactly beside them (tags
+``gtp:replicated:flags`` / ``grad:flags``). Clipping:
 :func:`lowband.parallel.clip_grad_norm_`, one all-reduce of a 2-vector over the GTP group (``gtp:norm``).
 
 State per rank: ``1/gtp`` of every sharded weight (tail-padded rows), its grad and its AdamW moments;
@@ -114,7 +117,7 @@ def check_gtp_model(model: nn.Module, where: str) -> None:
 class GTPStrategy(Strategy):
     config_sections = ("strategy", "gtp")
     needs_parallel_linears = False  # plan-free: every nn.Linear is sharded (check_gtp_model)
-    fp8_grads = True  # the GTP reduce-scatter (GTPOptions.grad_wire_dtype = "fp8"); not the dp all-reduce
+    fp8_grads = True  # every gradient collective: GTP's reduce-scatters and replicated all-reduce, the dp all-reduce
     diloco_inner = True
     ft_agreed_sections = ("gtp",)
 
@@ -147,10 +150,6 @@ class GTPStrategy(Strategy):
         if s.size < 0 or (s.size and world_size % s.size):
             raise ConfigError(f"gtp.size must be 0 (whole world) or a divisor of run.world_size "
                               f"({world_size}); got {s.size}")
-        if cfg.strategy.grad_wire_dtype == "fp8" and s.size not in (0, world_size):
-            raise ConfigError(f"strategy.grad_wire_dtype = 'fp8' with strategy gtp needs gtp.size = 0 or "
-                              f"run.world_size ({world_size}), got {s.size}: the data-parallel all-reduce "
-                              "across GTP groups has no fp8 form (use bfloat16 there)")
         if s.finalize_depth < 0:
             raise ConfigError(f"gtp.finalize_depth must be >= 0; got {s.finalize_depth}")
         if s.fp8_block < 1:
