@@ -8,7 +8,7 @@ of steps; runs go one after the other (not alternated: each is a whole training 
 ``ddp``, then either every ``--sync-every`` x ``--wires`` pair with the shared outer settings, or the
 ``--runs`` list (``;``-separated, each ``key=value,...`` over the ``[diloco]`` keys ``sync_every``,
 ``wire``, ``outer_lr``, ``outer_momentum``, ``fragments``, ``delay``, ``alpha``, ``block_size``,
-``topk_chunk``, ``topk_k``, ``error_feedback``, plus ``name``). Defaults: the comparison of
+``topk_chunk``, ``topk_k``, ``error_feedback``, ``ef_decay``, plus ``name``). Defaults: the comparison of
 docs/PERFORMANCE.md's diloco section: H = 4, 8, 16 x fp32, fp8, int8 wires, delay 0, outer SGD lr 1.0
 without momentum (parameter averaging, the settings that section found to reach ddp's loss).
 
@@ -80,6 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk-chunk", type=int, default=256)
     p.add_argument("--topk-k", type=int, default=8)
     p.add_argument("--error-feedback", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--ef-decay", type=float, default=1.0,
+                   help="error-feedback decay (diloco.ef_decay, in (0, 1]; 1 = plain error feedback)")
     p.add_argument("--runs", default="", help="';'-separated DiLoCo runs, each 'key=value,...' (see above)")
     p.add_argument("--val-batches", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
@@ -127,7 +129,7 @@ def run(env: DistEnv, opts: dict[str, Any]) -> dict[str, Any]:
     shared = dict(fragments=opts["fragments"], delay=opts["delay"], alpha=opts["alpha"],
                   outer_lr=opts["outer_lr"], outer_momentum=opts["outer_momentum"],
                   block_size=opts["block_size"], topk_chunk=opts["topk_chunk"], topk_k=opts["topk_k"],
-                  error_feedback=opts["error_feedback"])
+                  error_feedback=opts["error_feedback"], ef_decay=opts.get("ef_decay", 1.0))
     for name, spec in _diloco_specs(opts):
         c = copy.deepcopy(base)
         c.strategy.name = "diloco"
@@ -157,6 +159,7 @@ def run(env: DistEnv, opts: dict[str, Any]) -> dict[str, Any]:
             row.update(sync_every=d.sync_every, fragments=d.fragments, delay=d.delay, alpha=d.alpha, wire=d.wire,
                        outer_lr=d.outer_lr, outer_momentum=d.outer_momentum, block_size=d.block_size,
                        topk_chunk=d.topk_chunk, topk_k=d.topk_k, error_feedback=strategy.diloco.error_feedback,
+                       ef_decay=d.ef_decay,
                        outer_steps=strategy.diloco.committed, val_loss_global=_global_val_loss(strategy, c, env))
             row["val_loss_final"] = row["val_loss_global"]
             strategy.diloco.close()
@@ -173,10 +176,11 @@ def run(env: DistEnv, opts: dict[str, Any]) -> dict[str, Any]:
     mark_pareto(results)
     add_ratios(results, {r["name"]: ["ddp"] for r in results if r["name"] != "ddp"})
     keys = ("sync_every", "fragments", "delay", "alpha", "outer_lr", "outer_momentum", "block_size",
-            "topk_chunk", "topk_k", "error_feedback", "runs")
+            "topk_chunk", "topk_k", "error_feedback", "ef_decay", "runs")
     doc = {"config": {"base_config": opts["config"], "steps": opts["steps"], "model": vars(base.model),
                       "batch_size_per_rank": base.data.batch_size, "seq_len": base.model.seq_len,
-                      "diloco": {k: opts[k] for k in keys}, "val_batches": opts["val_batches"],
+                      "diloco": {k: opts.get(k, 1.0 if k == "ef_decay" else None) for k in keys},
+                      "val_batches": opts["val_batches"],
                       "threads_per_rank": base.run.threads,
                       "note": "runs are sequential full trainings, not alternated; step times indicative"},
            "results": results}
@@ -191,7 +195,7 @@ def run(env: DistEnv, opts: dict[str, Any]) -> dict[str, Any]:
 
 _SPEC_TYPES = {"sync_every": int, "fragments": int, "delay": int, "alpha": float, "outer_lr": float,
                "outer_momentum": float, "block_size": int, "topk_chunk": int, "topk_k": int, "wire": str,
-               "error_feedback": str, "name": str}
+               "error_feedback": str, "ef_decay": float, "name": str}
 
 
 def _diloco_specs(opts: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -237,7 +241,8 @@ def pareto_markdown(results: list[dict[str, Any]]) -> str:
         ratio = r["wire_ratio_vs_ddp"]
         inv = "1" if ratio == 1 else (f"1/{1 / ratio:,.0f}" if ratio else "-")
         outer = f"{r['outer_lr']} / {r['outer_momentum']}" if "outer_lr" in r else "-"
-        ef = ("on" if r.get("error_feedback") else "off") if "wire" in r else "-"
+        ef = ("off" if not r.get("error_feedback") else "on" if r.get("ef_decay", 1.0) == 1.0
+              else f"on, decay {r['ef_decay']:g}") if "wire" in r else "-"
         lines.append(f"| {r['name']} | {r.get('wire', 'fp32 grads')} | {r.get('sync_every', 1)} | {outer} | {ef} "
                      f"| {r['wire_bytes_total']:,} | {inv} | {r['val_loss_final']:.4f} "
                      f"| {r['val_loss_ratio_vs_ddp']:.4f} | {r['val_loss']:.4f} | {'yes' if r['pareto'] else ''} |")

@@ -55,6 +55,13 @@ def check_alpha(alpha: float, *, name: str = "diloco alpha") -> None:
         raise ValueError(f"{name} must be in [0, 1]; got {alpha!r}")
 
 
+def check_ef_decay(beta: float, *, name: str = "diloco ef_decay") -> None:
+    """Raise ``ValueError`` unless the error-feedback decay ``beta`` is a number in ``(0, 1]``; the message
+    calls it ``name`` (the trainer: ``diloco.ef_decay``)."""
+    if isinstance(beta, bool) or not isinstance(beta, int | float) or not 0.0 < float(beta) <= 1.0:
+        raise ValueError(f"{name} must be in (0, 1] (1 = plain error feedback); got {beta!r}")
+
+
 @torch.no_grad()
 def pseudo_gradient_into(flat: torch.Tensor, global_params: Sequence[torch.Tensor],
                          local_params: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -35,9 +35,11 @@ unless asked): each replica adds its fragment's residual ``e`` to the pseudo-gra
 and keeps ``e' = (g + e) - decode(encode(g + e))`` (its own message's encoding error) for that
 fragment's next sync; ``e'`` replaces ``e`` only when the sync commits (a rolled-back attempt keeps
 ``e``), and a replica healed from a peer starts with ``e = 0`` (its own dropped mass went with its
-discarded local work). **Non-finite guard**: the averaged pseudo-gradient (bitwise the same on every
-replica) is checked at the sync; if any element is NaN/inf every replica raises ``FloatingPointError``
-naming the fragment, before the outer step, and nothing is applied.
+discarded local work). With ``ef_decay = beta < 1`` (SparseLoCo's error-feedback decay) the residual is
+scaled first: the message encodes ``g + beta e`` and ``e' = (g + beta e) - decode(encode(g + beta e))``.
+**Non-finite guard**: the averaged pseudo-gradient (bitwise the same on every replica) is checked at the
+sync; if any element is NaN/inf every replica raises ``FloatingPointError`` naming the fragment, before the
+outer step, and nothing is applied.
 
 State layout: per fragment, a global copy of its parameters on ``backup_device`` (default CPU, pinned
 when the model is on CUDA), one outer optimizer over those copies (so its state, e.g. SGD momentum,
@@ -65,6 +67,7 @@ from lowband.diloco.membership import StaticMembership
 from lowband.diloco.outer import (
     OuterOptimizerFactory,
     check_alpha,
+    check_ef_decay,
     default_outer_optimizer,
     merge_,
     outer_step,
@@ -137,6 +140,8 @@ class StreamingDiLoCo:
         topk_k: values kept per chunk.
         error_feedback: keep each fragment's encoding residual and add it to its next pseudo-gradient;
             ``None`` (default) = on for the message codecs, off for the others.
+        ef_decay: ``beta`` in ``(0, 1]``: the residual is multiplied by it before it is added (1 = plain error
+            feedback; SparseLoCo / Covenant-72B use 0.95). Needs error feedback on when below 1.
         bucket_cap_mb: split a fragment's flat pseudo-gradient into buckets of at most this many MiB
             (of the fp32/fp64 buffer); ``None`` = one bucket per fragment.
         bucket_breaks: per fragment, element offsets into its flat pseudo-gradient where a bucket must
@@ -169,7 +174,7 @@ class StreamingDiLoCo:
                  outer_optimizer: OuterOptimizerFactory | Sequence[OuterOptimizerFactory] | None = None,
                  wire: str = "fp32", block_size: int = DEFAULT_BLOCK_SIZE,
                  topk_chunk: int = DEFAULT_TOPK_CHUNK, topk_k: int = DEFAULT_TOPK_K,
-                 error_feedback: bool | None = None,
+                 error_feedback: bool | None = None, ef_decay: float = 1.0,
                  bucket_cap_mb: float | None = None, bucket_breaks: Sequence[Sequence[int]] | None = None,
                  backup_device: str | torch.device = "cpu",
                  init_sync: bool | str = True, membership: Any = None, plan: ModelPlan | None = None) -> None:
@@ -222,6 +227,12 @@ class StreamingDiLoCo:
             error_feedback = wire in MESSAGE_CODECS
         self.error_feedback = bool(error_feedback) and not all(is_lossless(self.codec, dt)
                                                                for dt in self.buffer_dtypes)
+        check_ef_decay(ef_decay)
+        if ef_decay != 1.0 and not self.error_feedback:
+            raise ValueError(f"diloco ef_decay={ef_decay} decays the error-feedback residual, but error feedback "
+                             f"is off (wire {wire!r}, error_feedback={error_feedback!r}): turn it on or leave "
+                             "ef_decay at 1")
+        self.ef_decay = float(ef_decay)
         if bucket_breaks is not None and len(bucket_breaks) != n:
             raise ValueError(f"diloco bucket_breaks: got {len(bucket_breaks)} lists, expected one per fragment ({n})")
         self.bucket_breaks: list[list[int]] = [sorted(int(b) for b in bs) for bs in bucket_breaks or [[]] * n]
@@ -232,6 +243,7 @@ class StreamingDiLoCo:
         self.agreed_settings: dict[str, object] = {
             "fragments": n, "alpha": self.alpha, "wire": wire, "block_size": self.codec.block_size,
             "topk_chunk": topk_chunk, "topk_k": topk_k, "error_feedback": self.error_feedback,
+            "ef_decay": self.ef_decay,
             "bucket_cap_mb": bucket_cap_mb, "bucket_breaks": self.bucket_breaks,
             "fragment shapes": [[tuple(p.shape) for p in f.params] for f in self.frags],
             "fragment dtypes": [[str(p.dtype) for p in f.params] for f in self.frags]}
@@ -362,7 +374,8 @@ class StreamingDiLoCo:
         residual = self.residuals[i]
         new_residual = None
         if residual is not None:
-            flat.add_(residual.to(device))
+            r = residual.to(device)
+            flat.add_(r if self.ef_decay == 1.0 else r * self.ef_decay)  # (g + beta e): product, then sum
             new_residual = torch.empty_like(flat)
         own_finite = bool(torch.isfinite(flat).all())
         handles = []

@@ -75,7 +75,7 @@ def _replica_worker(cfg: dict) -> dict:
                              delay=cfg["tau"], alpha=cfg["alpha"], wire=cfg["wire"],
                              block_size=cfg.get("block", 16), bucket_cap_mb=cfg.get("bucket_cap_mb"),
                              topk_chunk=cfg.get("chunk", 8), topk_k=cfg.get("k", 2),
-                             error_feedback=cfg.get("ef"))
+                             error_feedback=cfg.get("ef"), ef_decay=cfg.get("ef_decay", 1.0))
 
     def on_sync(d: StreamingDiLoCo, i: int) -> None:
         snaps.append({"committed": d.committed, "fragment": i,
@@ -158,7 +158,8 @@ def _simulate(cfg: dict, replicas: int) -> dict:
                 for r in range(replicas):
                     pg = torch.cat([(g.to(buf_dtype) - params[r][nm].detach().to(buf_dtype))
                                     .reshape(-1) for g, nm in zip(globals_[f], frag_names[f])])
-                    pending.append(pg + residuals[r][f] if ef else pg)
+                    beta = cfg.get("ef_decay", 1.0)  # SparseLoCo's decay: the product, then the sum
+                    pending.append(pg + (residuals[r][f] if beta == 1.0 else residuals[r][f] * beta) if ef else pg)
             if local == k:  # sync
                 numel = pending[0].numel()
                 esize = 8 if buf_dtype == torch.float64 else 4
@@ -289,6 +290,28 @@ def test_error_feedback_float64_matches_simulation() -> None:
     _check({**BASE, "dtype": "float64", "wire": "topk-int2", "block": 4, "tau": 0, "alpha": 0.0,
             "bucket_cap_mb": 400 / 2**20}, 2)
     _check({**BASE, "dtype": "float64", "wire": "int8", "ef": True, "block": 8}, 2)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_error_feedback_decay_matches_simulation(world: int) -> None:
+    """``ef_decay = 0.5``: every replica's residuals, global copies and outer state after every sync equal the
+    simulation that sends ``g + 0.5 e``, bit for bit; and the decay really acts (the residuals differ from
+    those of plain error feedback)."""
+    cfg = {**BASE, "wire": "topk-int2", "block": 4, "ef_decay": 0.5}
+    out = _check(cfg, world)
+    plain = _simulate({**cfg, "ef_decay": 1.0}, world)
+    assert any(not torch.equal(a, b) for a, b in zip(out[0]["snaps"][-1]["residuals"],
+                                                     plain["snaps"][-1]["residuals"][0]))
+
+
+def test_error_feedback_decay_is_refused_without_error_feedback() -> None:
+    model = Net(torch.float32)
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match=r"diloco ef_decay must be in \(0, 1\] \(1 = plain error feedback\); got 0"):
+        StreamingDiLoCo(model, opt, sync_every=2, ef_decay=0, wire="topk-int2", init_sync=False)
+    with pytest.raises(ValueError, match=r"diloco ef_decay=0\.9 decays the error-feedback residual, but error "
+                                         r"feedback is off"):
+        StreamingDiLoCo(model, opt, sync_every=2, ef_decay=0.9, wire="int8", init_sync=False)
 
 
 def test_topk_keeping_everything_equals_dense_fp32() -> None:
@@ -488,6 +511,9 @@ def test_trainer_one_replica_alpha1_equals_single(shard: str) -> None:
     ("outer_lr", 0.0, r"^diloco.outer_lr must be > 0; got 0.0$"),
     ("outer_momentum", -0.5, r"^diloco.outer_momentum must be >= 0; got -0.5$"),
     ("bucket_mb", -1.0, r"^diloco.bucket_mb must be >= 0; got -1.0$"),
+    ("ef_decay", 1.5, r"^diloco.ef_decay must be in \(0, 1\] \(1 = plain error feedback\); got 1.5$"),
+    ("ef_decay", 0.9, r"^diloco.ef_decay = 0.9 decays the error-feedback residual, but error feedback is off "
+                      r"\(diloco.wire = 'fp32', diloco.error_feedback = 'auto'\)"),
 ])
 def test_trainer_config_errors(shard: str, key: str, value: object, match: str) -> None:
     from lowband.train.config import ConfigError, validate

@@ -20,6 +20,8 @@ def test_specs_from_runs_and_from_the_grid() -> None:
         ("diloco-H4-int8", {"sync_every": 4, "wire": "int8"}), ("diloco-H8-int8", {"sync_every": 8, "wire": "int8"})]
     with pytest.raises(ValueError, match="unknown key 'H'"):
         _diloco_specs({"runs": "H=4"})
+    assert _diloco_specs({"runs": "sync_every=4,wire=topk-int2,ef_decay=0.95"}) == [
+        ("diloco-H4-topk-int2-ef_decay0.95", {"sync_every": 4, "wire": "topk-int2", "ef_decay": 0.95})]
 
 
 def test_pareto_and_merge() -> None:
@@ -34,6 +36,10 @@ def test_pareto_and_merge() -> None:
     assert rows[1]["wire_ratio_vs_ddp"] == 0.01 and rows[2]["val_loss_ratio_vs_ddp"] == 1.05
     table = pareto_markdown(rows)
     assert "| a | int2 | 8 | 1.0 / 0.0 | on | 10 | 1/100 | 1.0200 | 1.0200 |" in table
+    decayed = pareto_markdown([ddp, _row("c", 10, 1.0, wire="int2", sync_every=8, outer_lr=1.0, outer_momentum=0.0,
+                                         error_feedback=True, ef_decay=0.95, wire_ratio_vs_ddp=0.01,
+                                         val_loss_ratio_vs_ddp=1.0, pareto=True)])
+    assert "| c | int2 | 8 | 1.0 / 0.0 | on, decay 0.95 | 10 |" in decayed
     bad = {"results": [_row("ddp", 1000, 1.1)]}
     with pytest.raises(ValueError, match="the ddp reference differs"):
         merge([a, bad])

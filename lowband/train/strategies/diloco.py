@@ -58,10 +58,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from lowband.comm.codecs import WIRE_CODECS, check_wire
+from lowband.comm.codecs import MESSAGE_CODECS, WIRE_CODECS, check_wire
 from lowband.comm.compress import check_block_size, check_topk
 from lowband.diloco import StreamingDiLoCo, outer_sgd, split_fragments
-from lowband.diloco.outer import check_alpha, check_outer_sgd
+from lowband.diloco.outer import check_alpha, check_ef_decay, check_outer_sgd
 from lowband.diloco.schedule import validate_schedule
 from lowband.diloco.state import GTPShardLayout
 from lowband.parallel.mesh import build_mesh
@@ -113,6 +113,9 @@ class DilocoConfig:
     error_feedback: str = "auto"
     """auto (on for int4/int2/topk*, off for fp32/bf16/fp8/int8) | on | off: keep what the codec dropped
     and add it to the fragment's next pseudo-gradient."""
+    ef_decay: float = 1.0
+    """In (0, 1]: the kept residual is multiplied by it before it is added (SparseLoCo's error-feedback decay;
+    1 = plain error feedback). Below 1 it needs error feedback on."""
     bucket_mb: float = 0.0
     """Bucket cap of a fragment's outer all-reduce in MB; 0 = one bucket per fragment."""
 
@@ -256,6 +259,13 @@ class DilocoStrategy(Strategy):
             raise ConfigError(f"diloco.error_feedback must be one of {', '.join(ERROR_FEEDBACK)}; "
                               f"got {d.error_feedback!r}")
         with library_check():
+            check_ef_decay(d.ef_decay, name="diloco.ef_decay")
+        ef_on = ERROR_FEEDBACK[d.error_feedback]
+        if d.ef_decay != 1.0 and (ef_on is False or (ef_on is None and d.wire not in MESSAGE_CODECS)):
+            raise ConfigError(f"diloco.ef_decay = {d.ef_decay} decays the error-feedback residual, but error feedback "
+                              f"is off (diloco.wire = {d.wire!r}, diloco.error_feedback = {d.error_feedback!r}): set "
+                              "diloco.error_feedback = 'on' or leave diloco.ef_decay at 1")
+        with library_check():
             check_outer_sgd(d.outer_lr, d.outer_momentum,
                             names={"lr": "diloco.outer_lr", "momentum": "diloco.outer_momentum"})
         if d.bucket_mb < 0:  # 0 = one bucket per fragment (StreamingDiLoCo's bucket_cap_mb = None)
@@ -316,7 +326,7 @@ class DilocoStrategy(Strategy):
                                       outer_optimizer=outer_sgd(d.outer_lr, d.outer_momentum, d.outer_nesterov),
                                       wire=d.wire, block_size=d.block_size,
                                       topk_chunk=d.topk_chunk, topk_k=d.topk_k,
-                                      error_feedback=ERROR_FEEDBACK[d.error_feedback],
+                                      error_feedback=ERROR_FEEDBACK[d.error_feedback], ef_decay=d.ef_decay,
                                       bucket_cap_mb=d.bucket_mb or None,
                                       bucket_breaks=breaks if shards.weights else None, plan=plan,
                                       membership=membership)
