@@ -42,6 +42,7 @@ def _replica(replica: int, lighthouse: str, cfg: dict[str, Any], out: Any) -> No
     manager = _manager(replica, lighthouse, state_dict, load_state_dict)
     ledger = CommLedger()
     diloco = StreamingDiLoCo(model, inner, sync_every=2, fragments=1, wire=cfg["wire"][replica],
+                             ef_decay=cfg.get("ef_decay", [1.0, 1.0])[replica],
                              membership=TorchftMembership(manager, ledger=ledger))
     g = torch.Generator().manual_seed(replica)
     try:
@@ -92,6 +93,7 @@ def _run(cfg: dict[str, Any]) -> dict[int, tuple]:
     ("wire", {"wire": ["fp8", "int8"], "width": [8, 8]}, "'fp8'", "'int8'"),
     ("fragment shapes", {"wire": ["int4", "int4"], "width": [8, 6]}, "[[(8, 4), (8,), (2, 8), (2,)]]",
      "[[(6, 4), (6,), (2, 6), (2,)]]"),
+    ("ef_decay", {"wire": ["int4", "int4"], "width": [8, 8], "ef_decay": [1.0, 0.95]}, "1.0", "0.95"),
 ])
 def test_groups_with_other_settings_are_refused_on_every_group_naming_the_setting(
         differ: str, cfg: dict, this: str, other: str) -> None:
@@ -100,7 +102,7 @@ def test_groups_with_other_settings_are_refused_on_every_group_naming_the_settin
         assert kind == "refused", (replica, message)
         assert f"replica groups disagree on {differ} " in message and "refused at join" in message, message
         assert (this if replica == 0 else other) in message, message
-        assert checks and all(op == "all_gather" and nbytes == 8 * 11 for op, nbytes in checks)  # 11 settings
+        assert checks and all(op == "all_gather" and nbytes == 8 * 12 for op, nbytes in checks)  # 12 settings
 
 
 def test_groups_with_the_same_settings_check_once_per_quorum_and_train() -> None:
