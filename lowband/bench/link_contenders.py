@@ -215,13 +215,15 @@ def register_contender(name: str, spec: LinkSpec) -> None:
 
 
 def _register_diloco() -> None:
-    """One contender per DiLoCo wire codec that exists now (``WIRE_CODECS``, else ``CODECS``)."""
+    """One contender per DiLoCo wire codec that exists now (``WIRE_CODECS``, else ``CODECS``); the Rice-coded
+    top-k ones run only when named (they decode what ``topk*`` decodes, in fewer bytes)."""
     from lowband.comm import codecs
 
     for wire in getattr(codecs, "WIRE_CODECS", codecs.CODECS):
         if wire != "fp64":
             register_contender(f"diloco-{wire}", LinkSpec("diloco", _diloco_overrides(wire),
-                                                          note=f"Streaming DiLoCo, {wire} pseudo-gradients"))
+                                                          note=f"Streaming DiLoCo, {wire} pseudo-gradients",
+                                                          in_all="rice" not in wire))
 
 
 _register_diloco()

@@ -28,7 +28,7 @@ pseudo-gradient ``global - local`` is averaged like any other, zero from a repli
 it; the outer optimizer steps every fragment parameter (``.grad`` is always set, as in torchft), so with
 outer momentum a parameter no replica touched since its last sync still moves by its momentum.
 
-With a message codec (``int4``, ``int2``, ``topk``, ``topk-int4``, ``topk-int2``) each bucket is one
+With a message codec (``int4``, ``int2``, ``topk``, ``topk-int4``, ``topk-int2``, ``topk-rice*``) each bucket is one
 all-gather of every replica's message instead (``(N-1)`` messages per rank). **Error feedback**
 (default on for lossy codecs below 8 bits and top-k, off for the torchft-compatible fp32/bf16/fp8/int8
 unless asked): each replica adds its fragment's residual ``e`` to the pseudo-gradient before encoding
@@ -133,7 +133,7 @@ class StreamingDiLoCo:
             factories (one per fragment); default SGD lr 0.7 momentum 0.9 Nesterov.
         wire: pseudo-gradient wire codec, one of ``lowband.comm.codecs.WIRE_CODECS``: ``fp32``,
             ``bf16``, ``fp8``, ``int8`` (two-phase all-reduce, ``fp64`` for tests) or ``int4``,
-            ``int2``, ``topk``, ``topk-int4``, ``topk-int2`` (all-gather of messages).
+            ``int2``, ``topk``, ``topk-int4``, ``topk-int2``, ``topk-rice*`` (all-gather of messages).
         block_size: elements per fp32 scale for ``fp8``/``int8``/``int4``/``int2`` (and the values of
             ``topk-int*``).
         topk_chunk: top-k chunk (a power of two; offsets travel in ``log2`` of it bits).

@@ -11,6 +11,7 @@ from torch import nn
 
 from lowband.comm import Comm, CommLedger
 from lowband.comm.codecs import Codec, chunk_layout, get_wire, reference_wire_all_reduce, sender_roundtrip
+from lowband.comm.compress import MESSAGE_CODECS
 from lowband.diloco import ScheduleConfig, StreamingDiLoCo, plan, replica_mesh
 from lowband.optim import ShardedAdamW
 from lowband.testing import run_ranks
@@ -121,7 +122,7 @@ def _simulate(cfg: dict, replicas: int) -> dict:
         k = h // n
         codec = get_wire(cfg["wire"], cfg.get("block", 16), cfg.get("chunk", 8), cfg.get("k", 2))
         ef = cfg.get("ef")
-        ef = cfg["wire"] in ("int4", "int2", "topk", "topk-int4", "topk-int2") if ef is None else ef
+        ef = cfg["wire"] in MESSAGE_CODECS if ef is None else ef
         # fragments: the default consecutive split, computed on the first model (names are enough)
         from lowband.diloco import split_fragments
         frag_names = [f.names for f in split_fragments(models[0], n)]
@@ -276,7 +277,7 @@ def test_replicas_match_simulation_quantized(wire: str) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("wire", ["int4", "int2", "topk", "topk-int4", "topk-int2"])
+@pytest.mark.parametrize("wire", ["int4", "int2", "topk", "topk-int4", "topk-int2", "topk-rice-int2"])
 def test_message_codecs_with_error_feedback_match_simulation(wire: str, world: int) -> None:
     """Every replica's global copies, outer state and own residuals after every sync, bit for bit
     against the single-process simulation (residuals kept per replica, decoded messages summed in
@@ -502,7 +503,8 @@ def test_trainer_one_replica_alpha1_equals_single(shard: str) -> None:
     ("delay", -1, r"diloco.delay must be in"),
     ("fragments", 0, r"diloco.fragments must be >= 1; got 0"),
     ("alpha", 1.5, r"diloco.alpha must be in \[0, 1\]"),
-    ("wire", "fp4", "diloco.wire must be one of fp32, bf16, fp8, int8, int4, int2, topk, topk-int4, topk-int2"),
+    ("wire", "fp4", "diloco.wire must be one of fp32, bf16, fp8, int8, int4, int2, topk, topk-int4, topk-int2, "
+             "topk-rice, topk-rice-int4, topk-rice-int2"),
     ("topk_chunk", 100, r"diloco.topk_chunk must be a power of two in \[2, 65536\]; got 100"),
     ("topk_k", 0, r"diloco.topk_k must be in \[1, diloco.topk_chunk = 256\]; got 0"),
     ("error_feedback", "yes", "diloco.error_feedback must be one of auto, on, off; got 'yes'"),

@@ -110,6 +110,7 @@ def test_registry_config_and_extension() -> None:
 
     for wire in getattr(codecs, "WIRE_CODECS", codecs.CODECS):
         assert (f"diloco-{wire}" in CONTENDERS) == (wire != "fp64")
+    assert "diloco-topk-int2" in contender_list("all") and "diloco-topk-rice-int2" not in contender_list("all")
     assert resolve("strategy:ddp").strategy == "ddp"
     with pytest.raises(ValueError, match="unknown contender 'nope'"):
         resolve("nope")

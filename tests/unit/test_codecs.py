@@ -189,7 +189,8 @@ def test_pack_bits_round_trip(bits: int) -> None:
 
 def test_message_codec_bad_arguments() -> None:
     with pytest.raises(ValueError, match=r"^wire codec must be one of fp64, fp32, bf16, fp8, int8, int4, int2, topk, "
-                                         r"topk-int4, topk-int2; got 'int3'$"):
+                                         r"topk-int4, topk-int2, topk-rice, topk-rice-int4, topk-rice-int2; "
+                                         r"got 'int3'$"):
         get_wire("int3")
     with pytest.raises(ValueError, match=r"^codec topk_chunk must be a power of two in \[2, 65536\]; got 100$"):
         get_wire("topk", topk_chunk=100)

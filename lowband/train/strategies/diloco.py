@@ -102,8 +102,9 @@ class DilocoConfig:
     outer_nesterov: bool = True
     """Nesterov momentum in the outer step."""
     wire: str = "fp32"
-    """Pseudo-gradient wire format: fp32 | bf16 | fp8 | int8 | int4 | int2 | topk | topk-int4 | topk-int2
-    (fp8/int8/int4/int2 with per-block fp32 scales; topk* keep topk_k of every topk_chunk values)."""
+    """Pseudo-gradient wire format: fp32 | bf16 | fp8 | int8 | int4 | int2 | topk | topk-int4 | topk-int2 |
+    topk-rice | topk-rice-int4 | topk-rice-int2 (fp8/int8/int4/int2 with per-block fp32 scales; topk* keep topk_k
+    of every topk_chunk values; topk-rice* send the same values with Rice-coded offsets, fewer bytes)."""
     block_size: int = 256
     """Elements per scale for fp8 / int8 / int4 / int2 (and the kept values of topk-int4 / topk-int2)."""
     topk_chunk: int = 256
