@@ -229,6 +229,20 @@ def _register_diloco() -> None:
 _register_diloco()
 
 
+def _sparseloco_overrides(delay: int) -> Callable[[LinkTopo], Overrides]:
+    """Rice-coded top-k + int2 with error feedback decayed by 0.95 (SparseLoCo's decay), ``delay`` steps of overlap."""
+
+    def ov(topo: LinkTopo) -> Overrides:
+        return {**_diloco_overrides("topk-rice-int2")(topo), "diloco.ef_decay": 0.95, "diloco.delay": delay}
+    return ov
+
+
+for _delay in (0, 1):
+    register_contender(f"diloco-topk-rice-int2-ef95{'-d1' if _delay else ''}",
+                       LinkSpec("diloco", _sparseloco_overrides(_delay), in_all=False,
+                                note=f"Streaming DiLoCo, topk-rice-int2, error feedback decay 0.95, delay {_delay}"))
+
+
 def resolve(name: str) -> LinkSpec:
     """A registered contender, or ``strategy:NAME`` for any trainer strategy with default settings."""
     if name in CONTENDERS:

@@ -111,6 +111,9 @@ def test_registry_config_and_extension() -> None:
     for wire in getattr(codecs, "WIRE_CODECS", codecs.CODECS):
         assert (f"diloco-{wire}" in CONTENDERS) == (wire != "fp64")
     assert "diloco-topk-int2" in contender_list("all") and "diloco-topk-rice-int2" not in contender_list("all")
+    d1 = CONTENDERS["diloco-topk-rice-int2-ef95-d1"].config(cfg, flat).diloco
+    assert (d1.wire, d1.ef_decay, d1.delay, d1.num_replicas) == ("topk-rice-int2", 0.95, 1, flat.nodes)
+    assert CONTENDERS["diloco-topk-rice-int2-ef95"].config(cfg, flat).diloco.delay == 0
     assert resolve("strategy:ddp").strategy == "ddp"
     with pytest.raises(ValueError, match="unknown contender 'nope'"):
         resolve("nope")
