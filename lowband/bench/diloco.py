@@ -129,7 +129,7 @@ def run(env: DistEnv, opts: dict[str, Any]) -> dict[str, Any]:
     shared = dict(fragments=opts["fragments"], delay=opts["delay"], alpha=opts["alpha"],
                   outer_lr=opts["outer_lr"], outer_momentum=opts["outer_momentum"],
                   block_size=opts["block_size"], topk_chunk=opts["topk_chunk"], topk_k=opts["topk_k"],
-                  error_feedback=opts["error_feedback"], ef_decay=opts.get("ef_decay", 1.0))
+                  error_feedback=opts["error_feedback"], ef_decay=opts["ef_decay"])
     for name, spec in _diloco_specs(opts):
         c = copy.deepcopy(base)
         c.strategy.name = "diloco"
@@ -179,8 +179,7 @@ def run(env: DistEnv, opts: dict[str, Any]) -> dict[str, Any]:
             "topk_chunk", "topk_k", "error_feedback", "ef_decay", "runs")
     doc = {"config": {"base_config": opts["config"], "steps": opts["steps"], "model": vars(base.model),
                       "batch_size_per_rank": base.data.batch_size, "seq_len": base.model.seq_len,
-                      "diloco": {k: opts.get(k, 1.0 if k == "ef_decay" else None) for k in keys},
-                      "val_batches": opts["val_batches"],
+                      "diloco": {k: opts[k] for k in keys}, "val_batches": opts["val_batches"],
                       "threads_per_rank": base.run.threads,
                       "note": "runs are sequential full trainings, not alternated; step times indicative"},
            "results": results}

@@ -187,15 +187,16 @@ class TopKCodec:
         return rice_parameter(self.chunk, self.k)
 
     @property
+    def chunk_offset_bits(self) -> int:
+        """Bits of one chunk's offsets: ``k log2 chunk``, or with ``rice`` the Rice slot where that is smaller."""
+        fixed = self.k * self.index_bits
+        return min(slot_bits(self.chunk, self.k, self.rice_parameter), fixed) if self.rice else fixed
+
+    @property
     def rice_coded(self) -> bool:
         """Whether the offsets travel Rice-coded: asked for (``rice``) and smaller than fixed-width ones
         (not so for very few values per chunk, e.g. ``k = 1``, where fixed-width offsets are used)."""
-        return self.rice and slot_bits(self.chunk, self.k, self.rice_parameter) < self.k * self.index_bits
-
-    @property
-    def chunk_offset_bits(self) -> int:
-        """Bits of one chunk's offsets: ``k log2 chunk``, or the Rice slot."""
-        return slot_bits(self.chunk, self.k, self.rice_parameter) if self.rice_coded else self.k * self.index_bits
+        return self.chunk_offset_bits < self.k * self.index_bits
 
     def _offset_nbytes(self, nc: int) -> int:
         return -(-nc * self.chunk_offset_bits // 8)

@@ -70,6 +70,7 @@ def decode_offsets(bits: torch.Tensor, chunk: int, k: int, r: int) -> torch.Tens
     zeros_at = torch.where(bits == 0, col, torch.full_like(col, slot))
     next_zero = torch.flip(torch.cummin(torch.flip(zeros_at, [1]), dim=1).values, [1])
     weights = (1 << torch.arange(r - 1, -1, -1, device=dev, dtype=torch.int64)) if r else None
+    rem_at = torch.arange(1, r + 1, device=dev, dtype=torch.int64)  # remainder bits after a unary code's 0
     out = torch.empty(n, k, dtype=torch.int64, device=dev)
     pos = torch.zeros(n, 1, dtype=torch.int64, device=dev)
     prev = torch.full((n, 1), -1, dtype=torch.int64, device=dev)
@@ -77,7 +78,7 @@ def decode_offsets(bits: torch.Tensor, chunk: int, k: int, r: int) -> torch.Tens
         end = next_zero.gather(1, pos.clamp(max=slot - 1))  # the terminating 0 of this unary code
         gap = (end - pos) << r
         if weights is not None:
-            rpos = (end + 1) + torch.arange(r, device=dev, dtype=torch.int64)
+            rpos = end + rem_at
             gap = gap + (bits.gather(1, rpos.clamp(max=slot - 1)).to(torch.int64) * weights).sum(1, keepdim=True)
         prev = prev + 1 + gap
         out[:, i:i + 1] = prev
