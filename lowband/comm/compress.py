@@ -73,6 +73,12 @@ DEFAULT_TOPK_CHUNK = 256
 DEFAULT_TOPK_K = 8
 
 
+def default_error_feedback(wire: str) -> bool:
+    """Error feedback's default (``error_feedback=None``, the trainer's ``"auto"``): on for the message codecs,
+    off for the two-phase ones (fp32/bf16/fp8/int8, which stay torchft-equal)."""
+    return wire in MESSAGE_CODECS
+
+
 # ----------------------------------------------------------------------------------------- bits
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack the 1-D integer ``codes`` (each in ``[0, 2^bits)``) little-endian into ``ceil(n bits / 8)`` bytes."""

@@ -61,7 +61,7 @@ from torch import nn
 
 from lowband.comm import Comm
 from lowband.comm.codecs import DEFAULT_BLOCK_SIZE, check_wire, get_wire, is_lossless
-from lowband.comm.compress import DEFAULT_TOPK_CHUNK, DEFAULT_TOPK_K, MESSAGE_CODECS
+from lowband.comm.compress import DEFAULT_TOPK_CHUNK, DEFAULT_TOPK_K, default_error_feedback
 from lowband.diloco.fragments import Fragment, split_fragments
 from lowband.diloco.membership import StaticMembership
 from lowband.diloco.outer import (
@@ -224,7 +224,7 @@ class StreamingDiLoCo:
                                                                                         else 4))
             for dt in self.buffer_dtypes]
         if error_feedback is None:
-            error_feedback = wire in MESSAGE_CODECS
+            error_feedback = default_error_feedback(wire)
         self.error_feedback = bool(error_feedback) and not all(is_lossless(self.codec, dt)
                                                                for dt in self.buffer_dtypes)
         check_ef_decay(ef_decay)

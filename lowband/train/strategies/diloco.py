@@ -58,8 +58,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lowband.comm.codecs import MESSAGE_CODECS, WIRE_CODECS, check_wire
-from lowband.comm.compress import check_block_size, check_topk
+from lowband.comm.codecs import WIRE_CODECS, check_wire
+from lowband.comm.compress import check_block_size, check_topk, default_error_feedback
 from lowband.diloco import StreamingDiLoCo, outer_sgd, split_fragments
 from lowband.diloco.outer import check_alpha, check_ef_decay, check_outer_sgd
 from lowband.diloco.schedule import validate_schedule
@@ -262,7 +262,7 @@ class DilocoStrategy(Strategy):
         with library_check():
             check_ef_decay(d.ef_decay, name="diloco.ef_decay")
         ef_on = ERROR_FEEDBACK[d.error_feedback]
-        if d.ef_decay != 1.0 and (ef_on is False or (ef_on is None and d.wire not in MESSAGE_CODECS)):
+        if d.ef_decay != 1.0 and not (default_error_feedback(d.wire) if ef_on is None else ef_on):
             raise ConfigError(f"diloco.ef_decay = {d.ef_decay} decays the error-feedback residual, but error feedback "
                               f"is off (diloco.wire = {d.wire!r}, diloco.error_feedback = {d.error_feedback!r}): set "
                               "diloco.error_feedback = 'on' or leave diloco.ef_decay at 1")
