@@ -140,9 +140,11 @@ def run(env: DistEnv, opts: dict[str, Any]) -> dict[str, Any]:
         validate(c, world_size=env.world_size)  # every rank alike, before any training collective
     ledger = env.ledger
     results = []
+    model_params = 0
     for name, c in runs:
         start = len(ledger.records)
         res = train(c, env, write_run_dir=False, log=False)
+        model_params = model_params or sum(p.numel() for p in res.strategy.unwrapped().parameters())
         recs = ledger.records[start:]
         one_time = sum(r.wire_bytes for r in recs if r.tag in ONE_TIME_TAGS)
         steady = sum(r.wire_bytes for r in recs if r.tag not in ONE_TIME_TAGS)
@@ -178,6 +180,7 @@ def run(env: DistEnv, opts: dict[str, Any]) -> dict[str, Any]:
     keys = ("sync_every", "fragments", "delay", "alpha", "outer_lr", "outer_momentum", "block_size",
             "topk_chunk", "topk_k", "error_feedback", "ef_decay", "runs")
     doc = {"config": {"base_config": opts["config"], "steps": opts["steps"], "model": vars(base.model),
+                      "model_params": model_params, "seed": opts["seed"],
                       "batch_size_per_rank": base.data.batch_size, "seq_len": base.model.seq_len,
                       "diloco": {k: opts[k] for k in keys}, "val_batches": opts["val_batches"],
                       "threads_per_rank": base.run.threads,

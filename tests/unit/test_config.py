@@ -24,6 +24,17 @@ def test_demo_config_loads_and_round_trips(tmp_path: Path) -> None:
     assert load_config(p) == cfg
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_validates(path: Path) -> None:
+    """Every file in configs/ loads and validates at its own world size (a fault-tolerant one with the
+    Lighthouse address its launch line gives)."""
+    from lowband.train.config import validate
+
+    overrides = ["--ft.lighthouse=http://127.0.0.1:29510"] if "[ft]" in path.read_text() else []
+    cfg = load_config(path, overrides)
+    validate(cfg, world_size=cfg.run.world_size)
+
+
 @pytest.mark.parametrize("overrides, match", [
     (["--model.n_layers=2"], r"unknown config key 'model.n_layers'"),
     (["--modle.n_layer=2"], r"unknown config section 'modle'"),

@@ -46,3 +46,49 @@ def test_pareto_and_merge() -> None:
     one = [_row("x", 5, 2.0), _row("y", 5, 2.0)]
     mark_pareto(one)
     assert all(r["pareto"] for r in one)  # ties do not dominate
+
+
+def _doc(params: int, world: int, ddp_loss: float, *rows: dict) -> dict:
+    cfg = {"model_params": params, "steps": 100, "batch_size_per_rank": 8, "seq_len": 64}
+    return {"world_size": world, "config": cfg, "results": [_row("ddp", 1000, ddp_loss), *rows]}
+
+
+def _dl(name: str, nbytes: int, loss: float, **kw) -> dict:
+    settings = dict(wire="topk-int2", sync_every=4, outer_lr=1.0, outer_momentum=0.0, fragments=2, delay=0,
+                    alpha=0.0, error_feedback=True, ef_decay=0.95, topk_chunk=4096, topk_k=40, block_size=256)
+    return _row(name, nbytes, loss, **{**settings, **kw})
+
+
+def test_scaling_sweep_groups_seeds_and_configurations() -> None:
+    from lowband.bench.diloco_sweep import sweep, sweep_markdown
+
+    docs = [
+        _doc(1000, 2, 2.0, _dl("best", 1, 2.02), _dl("dense", 4, 2.0, topk_k=80)),
+        _doc(1000, 2, 2.2, _dl("renamed best", 1, 2.178)),  # seed 2: the same configuration under another name
+        _doc(1000, 2, 2.0, _dl("best", 1, 2.02)),  # seed 1 again (a split sweep): not a third seed
+        _doc(1000, 4, 1.8, _dl("best", 2, 1.89)),
+        _doc(5000, 2, 1.5, _dl("best", 1, 1.47)),
+    ]
+    rows = sweep(docs)
+    assert [(r["model_params"], r["replicas"], r["config"]) for r in rows] == [
+        (1000, 2, "ddp"), (1000, 2, "topk-int2 40/4096, H4, EF decay 0.95"),
+        (1000, 2, "topk-int2 80/4096, H4, EF decay 0.95"),
+        (1000, 4, "ddp"), (1000, 4, "topk-int2 40/4096, H4, EF decay 0.95"),
+        (5000, 2, "ddp"), (5000, 2, "topk-int2 40/4096, H4, EF decay 0.95")]
+    ddp, best, dense = rows[0], rows[1], rows[2]
+    assert ddp["seeds"] == 2 and ddp["ddp_val_loss_mean"] == pytest.approx(2.1)
+    assert ddp["ddp_spread"] == pytest.approx(0.2 / 2**0.5 / 2.1)  # sample std of (2.0, 2.2) over their mean
+    assert best["seeds"] == 2 and best["val_loss_ratio_vs_ddp"] == pytest.approx((2.02 + 2.178) / 4.2)
+    assert best["per_seed_ratio"] == pytest.approx([1.01, 0.99])
+    assert best["wire_ratio_vs_ddp"] == 0.001
+    # a configuration run at one seed only is compared with ddp at that seed, not with ddp's mean
+    assert dense["seeds"] == 1 and dense["val_loss_ratio_vs_ddp"] == pytest.approx(1.0)
+    assert rows[4]["tokens_per_param"] == pytest.approx(100 * 8 * 4 * 64 / 1000)
+    assert rows[3]["ddp_spread"] is None
+    table = sweep_markdown(rows)
+    assert "| 1,000 | 2 | 102.4 | topk-int2 40/4096, H4, EF decay 0.95 | 1/1,000 | 2 | 2.0990 | 0.9995 " \
+           "| 1.010 / 0.990 | 6.7 % (2) |" in table
+    with pytest.raises(ValueError, match="at one seed has two results"):
+        sweep([docs[0], _doc(1000, 2, 2.0, _dl("best", 1, 2.03))])
+    with pytest.raises(ValueError, match="has no ddp row"):
+        sweep([{"world_size": 2, "config": {"model_params": 1}, "results": [_dl("best", 1, 2.0)]}])

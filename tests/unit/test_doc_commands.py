@@ -10,7 +10,8 @@ are checked as far as is possible in seconds, without running them:
 * ``lowband.bench SUITE ...``: the options parse with the suite's own parser; the suites' default
   invocations run in tests/unit/test_bench_defaults.py (``--quick``); the documented sizes take minutes;
 * ``lowband.sample``: the options parse; it needs a trained ``runs/NAME`` (minutes of training);
-* ``lowband.bench.diloco_report``: merges JSON files that bench runs write (minutes);
+* ``lowband.bench.diloco_report`` and ``lowband.bench.diloco_sweep``: read JSON files that bench runs write
+  (minutes);
 * ``lowband.lighthouse``: the options parse; it serves until stopped (tests/cli/test_lighthouse.py runs it).
 
 Not checked at all (:data:`NOT_CHECKED`, with the reason): ``make`` targets (create a venv / run the whole
@@ -157,5 +158,9 @@ def test_other_commands_parse_and_validate(where: str, cmd: str) -> None:
         from lowband.bench import diloco_report
 
         assert hasattr(diloco_report, "main"), where
+    elif module == "lowband.bench.diloco_sweep":
+        from lowband.bench import diloco_sweep
+
+        assert hasattr(diloco_sweep, "main"), where
     else:
         raise AssertionError(f"{where}: no check for python -m {module}; add one here")
