@@ -276,12 +276,20 @@ def pareto_plot(results: list[dict[str, Any]], path: Path, title: str = "") -> b
     ax.axhline(ref["val_loss_final"] * 1.03, color="C3", ls="--", lw=0.8, label="ddp val loss + 3 %")
     ax.axvline(ref["wire_bytes_total"] / 300, color="C2", ls=":", lw=0.8, label="ddp bytes / 300")
     ax.axvline(ref["wire_bytes_total"] / 1000, color="C2", ls="-.", lw=0.8, label="ddp bytes / 1000")
+    save_log_x_plot(fig, ax, path, xlabel="total wire bytes per rank over the run (log)",
+                    ylabel="final validation loss", title=title)
+    return True
+
+
+def save_log_x_plot(fig: Any, ax: Any, path: Path, *, xlabel: str, ylabel: str, title: str) -> None:
+    """Finish a bytes plot: log x, labels, title, legend; save to ``path`` and close the figure."""
+    import matplotlib.pyplot as plt
+
     ax.set_xscale("log")
-    ax.set_xlabel("total wire bytes per rank over the run (log)")
-    ax.set_ylabel("final validation loss")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return True

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,26 +47,36 @@ def merge(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lowband.bench.diloco_report")
-    p.add_argument("inputs", nargs="+", help="diloco bench JSON files")
+def write_report(stem: str, doc: dict[str, Any], table: str, plot: Callable[[Path], bool]) -> None:
+    """Write ``<stem>.json`` (``doc``), ``<stem>.md`` (``table``) and ``<stem>.png`` (``plot(path)``), then
+    print the table: the outputs of both report tools."""
+    out = Path(stem)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
+    out.with_suffix(".md").write_text(table)
+    plot(out.with_suffix(".png"))
+    print(table)
+
+
+def report_args(module: str, inputs_help: str, title: str, argv: list[str] | None) -> argparse.Namespace:
+    """The command line both report tools share: input files, ``--out`` stem, ``--title``."""
+    p = argparse.ArgumentParser(prog=f"python -m lowband.bench.{module}")
+    p.add_argument("inputs", nargs="+", help=inputs_help)
     p.add_argument("--out", required=True, help="output stem (writes .json, .md, .png)")
-    p.add_argument("--title", default="")
-    a = p.parse_args(argv)
+    p.add_argument("--title", default=title)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = report_args("diloco_report", "diloco bench JSON files", "", argv)
     docs = [json.loads(Path(f).read_text()) for f in a.inputs]
     try:
         results = merge(docs)
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    merged = {**docs[0], "results": results, "merged_from": a.inputs}
-    out.with_suffix(".json").write_text(json.dumps(merged, indent=2) + "\n")
-    table = pareto_markdown(results)
-    out.with_suffix(".md").write_text(table)
-    pareto_plot(results, out.with_suffix(".png"), title=a.title)
-    print(table)
+    write_report(a.out, {**docs[0], "results": results, "merged_from": a.inputs}, pareto_markdown(results),
+                 lambda path: pareto_plot(results, path, title=a.title))
     return 0
 
 

@@ -23,13 +23,15 @@ they claim).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from lowband.bench.diloco import save_log_x_plot
+from lowband.bench.diloco_report import report_args, write_report
 
 SETTINGS = ("wire", "sync_every", "outer_lr", "outer_momentum", "fragments", "delay", "alpha",
             "error_feedback", "ef_decay")
@@ -182,38 +184,30 @@ def sweep_plot(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> b
         ax.plot([], [], markers[sizes.index(s) % len(markers)], color="gray", label=f"{s / 1e6:.2f}M parameters")
     for n in reps:
         ax.plot([], [], "s", color=f"C{reps.index(n)}", label=f"{n} replicas")
+    xs = [r["wire_ratio_vs_ddp"] for r in rows if r["config"] != "ddp"]
+    if xs and min(xs) == max(xs):  # one bytes ratio: give the log axis a decade around it
+        ax.set_xlim(min(xs) / 3, max(xs) * 3)
     ax.axhline(1.0, color="black", lw=0.8)
     ax.axhline(1.01, color="C3", ls="--", lw=0.8, label="ddp + 1 %")
     ax.axvline(1 / 1000, color="C2", ls="-.", lw=0.8, label="1/1000 of ddp's bytes")
-    ax.set_xscale("log")
-    ax.set_xlabel("total wire bytes per rank vs ddp (log)")
-    ax.set_ylabel("final validation loss vs ddp (mean over seeds)")
-    ax.set_title(title)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_log_x_plot(fig, ax, path, xlabel="total wire bytes per rank vs ddp (log)",
+                    ylabel="final validation loss vs ddp (mean over seeds)", title=title)
     return True
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lowband.bench.diloco_sweep")
-    p.add_argument("inputs", nargs="+", help="diloco bench JSON files (any sizes, worlds and seeds)")
-    p.add_argument("--out", required=True, help="output stem (writes .json, .md, .png)")
-    p.add_argument("--title", default="DiLoCo scaling sweep")
-    a = p.parse_args(argv)
+    a = report_args("diloco_sweep", "diloco bench JSON files (any sizes, worlds and seeds)", "DiLoCo scaling sweep",
+                    argv)
     try:
         rows = sweep([json.loads(Path(f).read_text()) for f in a.inputs])
-    except (ValueError, OSError, KeyError) as e:
-        print(f"diloco_sweep: {e}", file=sys.stderr)
+    except ValueError as e:
+        print(e, file=sys.stderr)
         return 2
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"rows": rows, "inputs": a.inputs}, indent=2) + "\n")
-    table = sweep_markdown(rows)
-    out.with_suffix(".md").write_text(table)
-    sweep_plot(rows, out.with_suffix(".png"), title=a.title)
-    print(table)
+    except (OSError, KeyError) as e:
+        print(f"diloco_sweep: not a readable diloco bench document ({type(e).__name__}: {e})", file=sys.stderr)
+        return 2
+    write_report(a.out, {"rows": rows, "inputs": a.inputs}, sweep_markdown(rows),
+                 lambda path: sweep_plot(rows, path, title=a.title))
     return 0
 
 

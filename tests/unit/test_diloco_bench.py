@@ -92,3 +92,26 @@ def test_scaling_sweep_groups_seeds_and_configurations() -> None:
         sweep([docs[0], _doc(1000, 2, 2.0, _dl("best", 1, 2.03))])
     with pytest.raises(ValueError, match="has no ddp row"):
         sweep([{"world_size": 2, "config": {"model_params": 1}, "results": [_dl("best", 1, 2.0)]}])
+
+
+def test_scaling_sweep_command_writes_its_outputs_and_refuses_in_one_line(tmp_path, capsys) -> None:
+    import json
+
+    from lowband.bench.diloco_sweep import main
+
+    files = []
+    for i, doc in enumerate([_doc(1000, 2, 2.0, _dl("best", 1, 2.02)), _doc(1000, 2, 2.2, _dl("best", 1, 2.178))]):
+        files.append(tmp_path / f"s{i}.json")
+        files[-1].write_text(json.dumps(doc))
+    assert main([*map(str, files), "--out", str(tmp_path / "out" / "sweep")]) == 0
+    rows = json.loads((tmp_path / "out" / "sweep.json").read_text())["rows"]
+    assert [r["seeds"] for r in rows] == [2, 2]
+    assert "| 1,000 | 2 | 102.4 | topk-int2 40/4096, H4, EF decay 0.95 | 1/1,000 | 2 |" in (
+        tmp_path / "out" / "sweep.md").read_text()
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"world_size": 2, "config": {"model_params": 1}, "results": []}))
+    capsys.readouterr()
+    assert main([str(bad), "--out", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err.strip() == "diloco_sweep: input 0 has no ddp row"
+    assert main([str(tmp_path / "missing.json"), "--out", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err.startswith("diloco_sweep: not a readable diloco bench document (FileNotFoundError")
