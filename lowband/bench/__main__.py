@@ -134,10 +134,15 @@ def main(argv: list[str] | None = None) -> int:
     elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         doc = rank_main(suite, opts)
     else:
-        from lowband.testing import own_pools, run_ranks
+        from lowband.testing import DistributedTimeout, own_pools, run_ranks
 
-        with own_pools():  # the ranks this call started stop with it; a caller's pools are kept
-            doc = run_ranks(rank_main, opts["world"], suite, opts, timeout=opts["timeout"])[0]
+        try:
+            with own_pools():  # the ranks this call started stop with it; a caller's pools are kept
+                doc = run_ranks(rank_main, opts["world"], suite, opts, timeout=opts["timeout"])[0]
+        except DistributedTimeout:
+            print(f"{PROG}: {suite} did not finish within --timeout {opts['timeout']:g} s on {opts['world']} ranks "
+                  "(nothing written); longer runs need a larger --timeout", file=sys.stderr)
+            return 1
     if doc is not None:
         path, md = write_outputs(doc, out)
         print(markdown_table(doc))

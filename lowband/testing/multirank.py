@@ -44,6 +44,10 @@ class DistributedTestError(AssertionError):
     """A rank raised, or the ranks did not finish in time."""
 
 
+class DistributedTimeout(DistributedTestError):
+    """The ranks did not finish within the call's ``timeout`` (they are killed)."""
+
+
 def _die_with_parent() -> None:
     """Linux: end this pooled rank with SIGKILL when the process that started it dies (a pytest killed with
     SIGKILL would otherwise leave its ranks running, some of them spinning in gloo)."""
@@ -289,7 +293,7 @@ def _run_ranks_once(fn: Callable[..., Any], world_size: int, args: tuple, kwargs
         if len(results) < world_size:
             healthy = False
             missing = sorted(set(range(world_size)) - set(results))
-            raise DistributedTestError(f"{fn.__module__}.{fn.__qualname__} timed out after "
+            raise DistributedTimeout(f"{fn.__module__}.{fn.__qualname__} timed out after "
                                        f"{timeout:.0f}s on {world_size} ranks; ranks {missing} did "
                                        "not finish")
         return [results[r] for r in range(world_size)]

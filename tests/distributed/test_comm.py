@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from lowband.comm import Comm, CommLedger, ring_wire_bytes
-from lowband.testing import DistributedTestError, run_ranks
+from lowband.testing import DistributedTestError, DistributedTimeout, run_ranks
 
 
 def _data(rank: int, numel: int, dtype=torch.float32) -> torch.Tensor:
@@ -287,7 +287,7 @@ def _sleep_forever() -> None:
 
 def test_harness_times_out() -> None:
     # one rank is enough to time out, and the pool it tears down is the cheapest to start again
-    with pytest.raises(DistributedTestError, match="timed out after 3s on 1 ranks; ranks \\[0\\] did not finish"):
+    with pytest.raises(DistributedTimeout, match="timed out after 3s on 1 ranks; ranks \\[0\\] did not finish"):
         run_ranks(_sleep_forever, 1, timeout=3)
 
 

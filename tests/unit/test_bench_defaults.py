@@ -80,3 +80,16 @@ def test_default_invocation_runs(suite: str, tmp_path: Path, monkeypatch: pytest
     default = vars(suite_parser(suite).parse_args([suite])).get("contenders")
     if default and default != "all":
         assert names[: len(default.split(","))] == default.split(",") or set(default.split(",")) <= set(names), names
+
+
+def test_a_run_past_its_timeout_ends_with_one_line_and_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.chdir(tmp_path)
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    out = tmp_path / "long.json"
+    assert main(["diloco", "--world", "2", "--quick", "--steps", "1000000", "--out", str(out), "--timeout", "3"]) == 1
+    assert not out.exists()
+    err = capsys.readouterr().err.strip()
+    assert err == ("python -m lowband.bench: diloco did not finish within --timeout 3 s on 2 ranks (nothing written); "
+                   "longer runs need a larger --timeout")
