@@ -4,8 +4,9 @@
 
 Each input is one ``python -m lowband.bench diloco`` invocation: one model (``--config``), one world (one
 replica per rank), one ``--seed``, its own ``ddp`` run and any DiLoCo runs. The inputs are grouped by
-(model parameters, replicas); inside a group a **seed** is identified by its ``ddp`` row (a ddp run is a
-deterministic function of the seed: two files with the same ddp final loss and bytes are the same seed), and
+(model parameters, replicas, tokens of the horizon), so runs of different lengths are never averaged together;
+inside a group a **seed** is identified by its ``ddp`` row (a ddp run is a deterministic function of the seed:
+two files with the same ddp final loss and bytes are the same seed), and
 a **configuration** by its settings (wire, H, outer lr and momentum, fragments, delay, alpha, error feedback
 and its decay; top-k chunk and k for the top-k wires, block size for the block codecs), not by its name.
 
@@ -82,32 +83,25 @@ def count_model_params(config: dict[str, Any]) -> int:
     return sum(p.numel() for p in build_model(cfg, torch.device("cpu")).parameters())
 
 
-def _group_of(doc: dict[str, Any]) -> tuple[int, int]:
-    return count_model_params(doc["config"]), int(doc["world_size"])
-
-
 def sweep(docs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (model parameters, replicas, configuration), ddp first in each group (see the module
-    docstring for the fields).
+    """One row per (model parameters, replicas, tokens of the horizon, configuration), ddp first in each group
+    (see the module docstring for the fields).
 
     Raises:
         ValueError: a document without a ddp row; one configuration with two results at one seed.
     """
-    groups: dict[tuple[int, int], dict[str, Any]] = {}
+    groups: dict[tuple[int, int, int], dict[tuple, dict]] = {}  # group -> configuration -> seed -> row
     for i, doc in enumerate(docs):
         ddp = [r for r in doc["results"] if r["name"] == "ddp"]
         if not ddp:
             raise ValueError(f"diloco_sweep: input {i} has no ddp row")
-        params, replicas = _group_of(doc)
-        cfg = doc["config"]
-        g = groups.setdefault((params, replicas), {"seeds": {}, "configs": {}, "tokens": None})
+        cfg, replicas = doc["config"], int(doc["world_size"])
+        params = count_model_params(cfg)
         tokens = cfg["steps"] * cfg["batch_size_per_rank"] * replicas * cfg["seq_len"]
-        g["tokens"] = tokens if g["tokens"] is None else g["tokens"]
+        configs = groups.setdefault((params, replicas, tokens), {})
         seed = (ddp[0]["val_loss_final"], ddp[0]["wire_bytes_total"])
-        g["seeds"].setdefault(seed, ddp[0])
         for r in doc["results"]:
-            key = config_key(r)
-            per_seed = g["configs"].setdefault(key, {})
+            per_seed = configs.setdefault(config_key(r), {})
             old = per_seed.get(seed)
             if old is not None and (old["val_loss_final"], old["wire_bytes_total"]) != (
                     r["val_loss_final"], r["wire_bytes_total"]):
@@ -116,24 +110,25 @@ def sweep(docs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                                  f"{params:,} parameters x {replicas} replicas")
             per_seed.setdefault(seed, r)
     rows: list[dict[str, Any]] = []
-    for (params, replicas), g in sorted(groups.items()):
-        ddp_losses = [d["val_loss_final"] for d in g["seeds"].values()]
+    for (params, replicas, tokens), configs in sorted(groups.items()):
+        ddp_runs = configs[("ddp",)]
+        ddp_losses = [d["val_loss_final"] for d in ddp_runs.values()]
         ddp_mean = statistics.fmean(ddp_losses)
         spread = statistics.stdev(ddp_losses) / ddp_mean if len(ddp_losses) > 1 else None
-        ddp_bytes = next(iter(g["seeds"].values()))["wire_bytes_total"]
-        for _key, per_seed in sorted(g["configs"].items(), key=lambda kv: (kv[0] != ("ddp",), _bytes(kv[1]))):
+        ddp_bytes = _bytes(ddp_runs)
+        for _key, per_seed in sorted(configs.items(), key=lambda kv: (kv[0] != ("ddp",), _bytes(kv[1]))):
             seeds = list(per_seed)
             losses = [per_seed[s]["val_loss_final"] for s in seeds]
-            ref = statistics.fmean(g["seeds"][s]["val_loss_final"] for s in seeds)
+            ref = statistics.fmean(ddp_runs[s]["val_loss_final"] for s in seeds)
             first = per_seed[seeds[0]]
             rows.append({
-                "model_params": params, "replicas": replicas, "tokens_per_param": g["tokens"] / params,
+                "model_params": params, "replicas": replicas, "tokens_per_param": tokens / params,
                 "config": config_label(first), "seeds": len(seeds),
                 "ddp_seeds": len(ddp_losses), "ddp_val_loss_mean": ddp_mean, "ddp_spread": spread,
                 "wire_bytes_total": first["wire_bytes_total"],
                 "wire_ratio_vs_ddp": first["wire_bytes_total"] / ddp_bytes,
                 "val_loss_mean": statistics.fmean(losses), "val_loss_ratio_vs_ddp": statistics.fmean(losses) / ref,
-                "per_seed_ratio": [per_seed[s]["val_loss_final"] / g["seeds"][s]["val_loss_final"] for s in seeds],
+                "per_seed_ratio": [per_seed[s]["val_loss_final"] / ddp_runs[s]["val_loss_final"] for s in seeds],
             })
     return rows
 

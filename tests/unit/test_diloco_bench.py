@@ -115,3 +115,15 @@ def test_scaling_sweep_command_writes_its_outputs_and_refuses_in_one_line(tmp_pa
     assert capsys.readouterr().err.strip() == "diloco_sweep: input 0 has no ddp row"
     assert main([str(tmp_path / "missing.json"), "--out", str(tmp_path / "x")]) == 2
     assert capsys.readouterr().err.startswith("diloco_sweep: not a readable diloco bench document (FileNotFoundError")
+
+
+def test_scaling_sweep_keeps_runs_of_different_lengths_apart() -> None:
+    from lowband.bench.diloco_sweep import sweep
+
+    longer = _doc(1000, 2, 1.9, _dl("best", 2, 1.9))
+    longer["config"]["steps"] = 200
+    rows = sweep([_doc(1000, 2, 2.0, _dl("best", 1, 2.02)), longer])
+    assert [(r["tokens_per_param"], r["config"], r["ddp_seeds"]) for r in rows] == [
+        (102.4, "ddp", 1), (102.4, "topk-int2 40/4096, H4, EF decay 0.95", 1),
+        (204.8, "ddp", 1), (204.8, "topk-int2 40/4096, H4, EF decay 0.95", 1)]
+    assert [r["val_loss_ratio_vs_ddp"] for r in rows] == pytest.approx([1.0, 1.01, 1.0, 1.0])
