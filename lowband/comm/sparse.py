@@ -32,13 +32,14 @@ Per step (``N`` ranks, ``U_r`` = unique rows touched on rank ``r``):
    (tag ``sparse:<table>:rows``). Own rows are never sent. On CUDA the host index array is copied
    through pinned memory with a non-blocking copy.
 5. **Merge (owner).** An accumulator (fp32, fp64 for fp64; the output itself when it has that dtype)
-   is zeroed; in rank order it gets ``index_add_`` of this rank's own touched rows (rank ``r``) or of
-   the rows received from rank ``s``: one dense pass (the zeroing) plus work proportional to the
-   touched rows.
+   is zeroed; in the dense reduce-scatter's summation order (:func:`summation_order`: rank order, or
+   around the ring from rank ``r + 1`` where :class:`Comm` runs its ``ring``) it gets ``index_add_`` of
+   this rank's own touched rows (rank ``r``) or of the rows received from rank ``s``: one dense pass (the
+   zeroing) plus work proportional to the touched rows.
    Indices from one sender are unique, untouched rows are exactly zero on the sender and ``0 + x`` is
-   exact, so the sum has the same arithmetic order as the dense all-to-all reduce-scatter of
-   :class:`Comm`: bit-equal to it in float64 and float32 (on NCCL's native reduce-scatter only up to
-   summation order). ``op="avg"`` divides by ``N``.
+   exact, so the sum has the same arithmetic order as the dense reduce-scatter of :class:`Comm`:
+   bit-equal to it in float64 and float32 (on NCCL's native reduce-scatter only up to summation order).
+   ``op="avg"`` divides by ``N``.
 
 ``mode="dense"`` (or an auto choice of dense) runs ``Comm.reduce_scatter`` of the zero-padded gradient
 with tag ``sparse:<table>:dense``. The ledger thus shows all of a table's traffic under the tag
@@ -431,6 +432,7 @@ class SparseRowExchange:
         h_val = self.comm.all_to_all(recv_vals, send_vals.contiguous(), recv_counts, plan.send_counts,
                                      async_op=True, tag=f"{self.tag}:rows")
         acc_dtype = _acc_dtype(output.dtype)
+        order = summation_order(self.comm, grad, output, self.wire_dtype)
         own_rows = torch.from_numpy(plan.rows[own_lo:own_hi])
         if device.type == "cuda":
             own_rows = own_rows.pin_memory().to(device, non_blocking=True)
@@ -441,8 +443,8 @@ class SparseRowExchange:
             out2d = output.view(self.rows_per_rank, self.dim)
             acc = out2d.zero_() if output.dtype == acc_dtype else torch.zeros(
                 self.rows_per_rank, self.dim, dtype=acc_dtype, device=device)
-            off = 0
-            for s in range(n):
+            offsets = np.concatenate([[0], np.cumsum(recv_counts)])
+            for s in order:
                 if s == rank:  # own touched rows (the rest of the own slice is zero)
                     if own_rows.numel():
                         own = grad.index_select(0, own_rows)
@@ -450,11 +452,10 @@ class SparseRowExchange:
                             own = own.to(wire)
                         acc.index_add_(0, own_rows - lo, own.to(acc_dtype))
                     continue
-                k = recv_counts[s]
+                k, off = recv_counts[s], int(offsets[s])
                 if k:
                     local = recv_idx[off:off + k].to(torch.int64) - lo
                     acc.index_add_(0, local, recv_vals[off:off + k].to(acc_dtype))
-                off += k
             if op == "avg" and n > 1:
                 true_div_(acc, n)
             if acc is not out2d:
@@ -492,16 +493,29 @@ class _SparseHandle:
         return self._result
 
 
+def summation_order(comm: Comm, grad: torch.Tensor, output: torch.Tensor,
+                    wire_dtype: torch.dtype | None) -> list[int]:
+    """The ranks in the order :meth:`Comm.reduce_scatter` of this table's padded gradient adds them up on
+    this rank: around the ring from the next rank for its ``ring`` algorithm, else rank order."""
+    n, rank = comm.size, comm.rank
+    if comm.reduce_scatter_algorithm(grad, output, wire_dtype) == "ring":
+        return [(rank + 1 + i) % n for i in range(n)]
+    return list(range(n))
+
+
 def dense_reference(grads: list[torch.Tensor], rows_per_rank: int, rank: int, op: str = "avg",
-                    wire_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Single-process reference: rank ``rank``'s slice of the rank-ordered sum of all ranks' padded
-    gradients, accumulated in fp32 (fp64 for fp64), as ``Comm.reduce_scatter``'s all-to-all path
-    computes it."""
+                    wire_dtype: torch.dtype | None = None, ring: bool = False) -> torch.Tensor:
+    """Single-process reference: rank ``rank``'s slice of the sum of all ranks' padded gradients,
+    accumulated in fp32 (fp64 for fp64), as ``Comm.reduce_scatter`` computes it: in rank order (its
+    all-to-all and ``p2p`` algorithms) or, with ``ring``, from rank ``rank + 1`` around to ``rank`` (its
+    ``ring`` algorithm)."""
     dim = grads[0].shape[1]
     lo = rank * rows_per_rank
     acc_dtype = _acc_dtype(grads[0].dtype)
     acc = torch.zeros(rows_per_rank, dim, dtype=acc_dtype)
-    for g in grads:
+    n = len(grads)
+    order = [(rank + 1 + i) % n for i in range(n)] if ring else list(range(n))
+    for g in (grads[i] for i in order):
         part = g[lo:lo + rows_per_rank]
         if wire_dtype is not None:
             part = part.to(wire_dtype)
