@@ -9,12 +9,12 @@ op                        gloo (CPU tensors)             NCCL (CUDA tensors)
 ========================  =============================  ===================================
 reduce_scatter            all_to_all + local sum;        native (all_to_all + sum if the
                           sharded optimizer: ring from   wire dtype is narrower than fp32)
-                          3 ranks (fp32/fp64 wire),
-                          else p2p + sum
+                          3 ranks (fp32/fp64 wire, chunk
+                          >= 4096), else p2p + sum
 all_gather                native (< 4 MiB) or one async  native
                           broadcast per rank; sharded
-                          optimizer: ring from 3 ranks,
-                          else p2p
+                          optimizer: ring from 3 ranks
+                          (chunk >= 4096), else p2p
 all_reduce                native (wire = tensor dtype);  same
                           RS(all_to_all)+AG for bf16
 all_to_all                native; sharded optimizer: p2p native
@@ -29,13 +29,14 @@ directions of every link run one after the other (on a bandwidth-bound link the 
 to twice its bytes' time). lowband's point-to-point exchange (``p2p``) posts every ``irecv`` first, then
 every ``isend`` (one tag per exchange), so both directions always run at once (:meth:`Comm._p2p_exchange`);
 ``python -m lowband.bench link`` measures it. From three ranks the sharded optimizer's reduce-scatter
-(fp32/fp64 wire) and all-gather run as a pipelined ring instead (``ring``, :mod:`lowband.comm.ring`): one
-TCP flow per direction of every link where the all-peers exchange made ``N - 1`` flows meet in every
-rank's link (at 4 ranks on a 10 Mbit/s link it took the sharded optimizer's step from 1.4x DDP's to about
-1.1x). Both are the default of the sharded optimizer's private ``Comm`` (``P2P_PURPOSES``), where they were
-measured; other components keep gloo's collectives until they are
-measured and tested with it (GTP's tests timed out in three runs on a heavily loaded machine with it, not
-yet understood). A group torch.distributed did not create (a torchft-managed one) never uses it. An exchange
+(fp32/fp64 wire) and all-gather of chunks of ``RING_MIN_PIECE`` elements or more run as a pipelined ring
+instead (``ring``, :mod:`lowband.comm.ring`): one TCP flow per direction of every link, where the
+all-peers exchange made ``N - 1`` flows meet in every rank's link (at 4 ranks on a 10 Mbit/s link it took
+the sharded optimizer's step from 1.4x DDP's to about 1.1x, docs/PERFORMANCE.md). Both are the default of
+the sharded optimizer's private ``Comm`` (``P2P_PURPOSES``), where they were measured; other components
+keep gloo's collectives until they are measured and tested with them (GTP's tests timed out in three runs on
+a heavily loaded machine with ``p2p``, not yet understood). A group torch.distributed did not create (a
+torchft-managed one) never uses either. An exchange
 nobody waited for is finished before its group is destroyed (:func:`drain_exchanges`), as gloo finishes a
 queued collective. Override per op with ``Comm(algorithms={"reduce_scatter": "p2p", "all_gather": "native"})``
 (allowed values: ``ALGORITHMS``); gloo's all-gather is one async broadcast per rank from 4 MiB up (faster
@@ -98,7 +99,7 @@ import torch.distributed as dist
 
 from lowband.comm.ledger import CommLedger, CommRecord, default_ledger, dtype_name, ring_wire_bytes
 from lowband.comm.opaque import opaque
-from lowband.comm.ring import RingWork, ring_all_gather, ring_reduce_scatter, ring_tags, worker_for
+from lowband.comm.ring import RING_MIN_PIECE, RingWork, ring_all_gather, ring_reduce_scatter, ring_tags, worker_for
 
 ALGORITHMS: dict[str, tuple[str, ...]] = {
     "reduce_scatter": ("native", "alltoall", "p2p", "ring"),
@@ -406,6 +407,13 @@ class Comm:
         return (self.size > 2 and not tensor.is_cuda and self.backends == "gloo"
                 and (self.group is None or self.group in dist.distributed_c10d._world.pg_group_ranks))
 
+    @staticmethod
+    def _ring_pays(chunk_numel: int) -> bool:
+        """Whether a chunk is big enough for the ring to be the default: at least one ``RING_MIN_PIECE``.
+        A smaller one goes as one ``p2p`` exchange, posted at once beside whatever is in flight, instead of
+        ``N - 1`` latency-bound ring steps queued behind the ring thread's big transfers."""
+        return chunk_numel >= RING_MIN_PIECE
+
     def _ring_tags(self, chunk_numel: int) -> int:
         """First tag of a block of :func:`lowband.comm.ring.ring_tags` tags (every rank allocates alike)."""
         count = ring_tags(self.size, chunk_numel)
@@ -643,8 +651,8 @@ class Comm:
             wire in (torch.float32, torch.float64) or not wire.is_floating_point)
         ring_ok = (self._ring_ok(input) and wire == input.dtype == output.dtype
                    and wire in (torch.float32, torch.float64))
-        default = ("native" if native_ok else "ring" if ring_ok and self._p2p_ok(input)
-                   else "p2p" if self._p2p_ok(input) else "alltoall")
+        default = ("native" if native_ok else "ring" if ring_ok and self._p2p_ok(input) and self._ring_pays(
+            output.numel()) else "p2p" if self._p2p_ok(input) else "alltoall")
         algo = self._algo("reduce_scatter", default)
         if algo == "ring" and not ring_ok:
             algo = "p2p"  # the ring sums fp32/fp64 of one dtype on gloo CPU groups of 3+ ranks only
@@ -674,7 +682,7 @@ class Comm:
         nbytes = ring_wire_bytes("all_gather", n, output.numel() * esize)
         nbytes_out = output.numel() * esize
         if self._p2p_ok(input):
-            default = "ring" if self._ring_ok(input) else "p2p"
+            default = "ring" if self._ring_ok(input) and self._ring_pays(input.numel()) else "p2p"
         else:
             default = "native" if self._is_nccl(input) or nbytes_out < self.gloo_broadcast_gather_min_bytes \
                 else "broadcast"

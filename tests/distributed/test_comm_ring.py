@@ -72,27 +72,29 @@ def test_ring_equals_the_ring_order_reference_bitwise(world: int) -> None:
 
 
 def _defaults() -> dict:
-    n = dist.get_world_size()
+    n, m, small = dist.get_world_size(), RING_MIN_PIECE, RING_MIN_PIECE - 1
     user = Comm(ledger=CommLedger())
     private = user.private("sharded")
-    x = torch.ones(n * 8)
     out = {}
     for name, comm in (("user", user), ("sharded", private)):
         comm.ledger.reset()
-        comm.reduce_scatter(torch.empty(8), x)
-        comm.reduce_scatter(torch.empty(8), x, wire_dtype=torch.bfloat16)
-        comm.reduce_scatter(torch.empty(8, dtype=torch.float64), x.double())
-        comm.all_gather(torch.empty(n * 8), torch.ones(8))
+        comm.reduce_scatter(torch.empty(m), torch.ones(n * m))
+        comm.reduce_scatter(torch.empty(m), torch.ones(n * m), wire_dtype=torch.bfloat16)
+        comm.reduce_scatter(torch.empty(m, dtype=torch.float64), torch.ones(n * m, dtype=torch.float64))
+        comm.reduce_scatter(torch.empty(small), torch.ones(n * small))
+        comm.all_gather(torch.empty(n * m), torch.ones(m))
+        comm.all_gather(torch.empty(n * small), torch.ones(small))
         out[name] = [r.algorithm for r in comm.ledger.records]
     return out
 
 
 def test_defaults_ring_only_on_the_sharded_group_from_three_ranks() -> None:
     four = run_ranks(_defaults, 4)[0]
-    assert four["sharded"] == ["ring", "p2p+sum", "ring", "ring"]  # a narrower wire keeps fp32 sums at the owner
-    assert four["user"] == ["alltoall+sum", "alltoall+sum", "alltoall+sum", "native"]
+    # a narrower wire keeps fp32 sums at the owner; a chunk below one ring piece goes as one exchange
+    assert four["sharded"] == ["ring", "p2p+sum", "ring", "p2p+sum", "ring", "p2p"]
+    assert four["user"] == ["alltoall+sum"] * 4 + ["native"] * 2
     two = run_ranks(_defaults, 2)[0]
-    assert two["sharded"] == ["p2p+sum", "p2p+sum", "p2p+sum", "p2p"]  # at two ranks the ring is the exchange
+    assert two["sharded"] == ["p2p+sum"] * 4 + ["p2p"] * 2  # at two ranks the ring is the exchange
 
 
 def _gather_on_rank_zero_only() -> str:
