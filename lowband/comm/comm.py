@@ -10,11 +10,11 @@ op                        gloo (CPU tensors)             NCCL (CUDA tensors)
 reduce_scatter            all_to_all + local sum;        native (all_to_all + sum if the
                           sharded optimizer: ring from   wire dtype is narrower than fp32)
                           3 ranks (fp32/fp64 wire, chunk
-                          >= 4096), else p2p + sum
+                          >= 8192), else p2p + sum
 all_gather                native (< 4 MiB) or one async  native
                           broadcast per rank; sharded
                           optimizer: ring from 3 ranks
-                          (chunk >= 4096), else p2p
+                          (chunk >= 8192), else p2p
 all_reduce                native (wire = tensor dtype);  same
                           RS(all_to_all)+AG for bf16
 all_to_all                native; sharded optimizer: p2p native
@@ -29,7 +29,7 @@ directions of every link run one after the other (on a bandwidth-bound link the 
 to twice its bytes' time). lowband's point-to-point exchange (``p2p``) posts every ``irecv`` first, then
 every ``isend`` (one tag per exchange), so both directions always run at once (:meth:`Comm._p2p_exchange`);
 ``python -m lowband.bench link`` measures it. From three ranks the sharded optimizer's reduce-scatter
-(fp32/fp64 wire) and all-gather of chunks of ``RING_MIN_PIECE`` elements or more run as a pipelined ring
+(fp32/fp64 wire) and all-gather of chunks of ``RING_MIN_CHUNK`` elements or more run as a pipelined ring
 instead (``ring``, :mod:`lowband.comm.ring`): one TCP flow per direction of every link, where the
 all-peers exchange made ``N - 1`` flows meet in every rank's link (at 4 ranks on a 10 Mbit/s link it took
 the sharded optimizer's step from 1.4x DDP's to about 1.1x, docs/PERFORMANCE.md). Both are the default of
@@ -99,7 +99,7 @@ import torch.distributed as dist
 
 from lowband.comm.ledger import CommLedger, CommRecord, default_ledger, dtype_name, ring_wire_bytes
 from lowband.comm.opaque import opaque
-from lowband.comm.ring import RING_MIN_PIECE, RingWork, ring_all_gather, ring_reduce_scatter, ring_tags, worker_for
+from lowband.comm.ring import RING_MIN_CHUNK, RingWork, ring_all_gather, ring_reduce_scatter, ring_tags, worker_for
 
 ALGORITHMS: dict[str, tuple[str, ...]] = {
     "reduce_scatter": ("native", "alltoall", "p2p", "ring"),
@@ -409,10 +409,10 @@ class Comm:
 
     @staticmethod
     def _ring_pays(chunk_numel: int) -> bool:
-        """Whether a chunk is big enough for the ring to be the default: at least one ``RING_MIN_PIECE``.
+        """Whether a chunk is big enough for the ring to be the default: ``RING_MIN_CHUNK`` elements or more.
         A smaller one goes as one ``p2p`` exchange, posted at once beside whatever is in flight, instead of
         ``N - 1`` latency-bound ring steps queued behind the ring thread's big transfers."""
-        return chunk_numel >= RING_MIN_PIECE
+        return chunk_numel >= RING_MIN_CHUNK
 
     def _ring_tags(self, chunk_numel: int) -> int:
         """First tag of a block of :func:`lowband.comm.ring.ring_tags` tags (every rank allocates alike)."""

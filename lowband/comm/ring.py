@@ -36,6 +36,7 @@ operation.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -44,16 +45,26 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-RING_MIN_PIECE = 4096
-"""Smallest sub-chunk, in elements, that :func:`ring_pieces` cuts a chunk into."""
+RING_MIN_CHUNK = 8192
+"""Smallest chunk, in elements, for which :class:`lowband.comm.Comm` picks the ring by default."""
+RING_PIECE = 16384
+"""Sub-chunk size, in elements, that :func:`ring_pieces` aims at."""
 RING_MAX_PIECES = 8
 """Most sub-chunks per chunk."""
 
 
 def ring_pieces(chunk_numel: int) -> int:
-    """Sub-chunks per chunk: ``chunk_numel // RING_MIN_PIECE``, between 1 and ``RING_MAX_PIECES`` (the
-    same on every rank, since every rank's chunk has the same size)."""
-    return max(1, min(RING_MAX_PIECES, chunk_numel // RING_MIN_PIECE))
+    """Sub-chunks per chunk: ``chunk_numel // RING_PIECE``, between 2 and ``RING_MAX_PIECES`` (1 for a chunk of
+    one element or none); the same on every rank, since every rank's chunk has the same size.
+
+    The trade-off, measured at 4 ranks on shaped links (docs/PERFORMANCE.md): each piece is one more
+    point-to-point message per step and one more hand-off on the ring thread, which costs latency where the link
+    is fast (1 Gbit/s: 6 pieces of a 110 kB chunk made the step 1.5x the all-peers exchange's, 2 pieces about
+    1.25x), while one piece leaves every link idle while a step's chunk is being received whole (10 Mbit/s:
+    1 piece 1.17x DDP's step, 2 pieces 1.03x, 6 pieces 1.09x, one run each)."""
+    if chunk_numel < 2:
+        return 1
+    return max(2, min(RING_MAX_PIECES, chunk_numel // RING_PIECE))
 
 
 def ring_tags(world: int, chunk_numel: int) -> int:
@@ -130,6 +141,17 @@ class RingWorker:
 
 _WORKERS: dict[int, RingWorker] = {}
 _WORKERS_LOCK = threading.Lock()
+
+
+def _forget_workers_in_child() -> None:
+    """A forked child (a DataLoader worker) has none of its parent's threads: it starts its own if it ever
+    runs a ring."""
+    global _WORKERS_LOCK
+    _WORKERS.clear()
+    _WORKERS_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_workers_in_child)
 
 
 def worker_for(group: dist.ProcessGroup | None, name: str) -> RingWorker:

@@ -14,11 +14,12 @@ import torch.distributed as dist
 
 from lowband.comm import Comm, CommLedger
 from lowband.comm.comm import true_div
-from lowband.comm.ring import RING_MAX_PIECES, RING_MIN_PIECE, ring_order_sum, ring_pieces
+from lowband.comm.ring import RING_MAX_PIECES, RING_MIN_CHUNK, RING_PIECE, ring_order_sum, ring_pieces
 from lowband.testing import run_ranks
 
-# chunk sizes: one piece, three pieces with a ragged tail, the most pieces (capped)
-CHUNKS = (1031, 3 * RING_MIN_PIECE + 7, (RING_MAX_PIECES + 3) * RING_MIN_PIECE)
+# chunk sizes: one element, two pieces (the fewest of a longer chunk), three pieces with a ragged tail, the most
+# pieces (capped)
+CHUNKS = (1, 1031, 3 * RING_PIECE + 7, (RING_MAX_PIECES + 3) * RING_PIECE)
 
 
 def _data(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -63,7 +64,7 @@ def _ring_matches_reference() -> None:
             recs = ledger.select(op="reduce_scatter") + ledger.select(op="all_gather")
             assert [r.algorithm for r in recs] == ["ring"] * 3
             assert all(r.wire_bytes == (n - 1) * m * esize for r in recs)
-            assert ring_pieces(m) == min(RING_MAX_PIECES, max(1, m // RING_MIN_PIECE))
+    assert [ring_pieces(m) for m in CHUNKS] == [1, 2, 3, RING_MAX_PIECES]
 
 
 @pytest.mark.parametrize("world", [3, 4])
@@ -72,7 +73,7 @@ def test_ring_equals_the_ring_order_reference_bitwise(world: int) -> None:
 
 
 def _defaults() -> dict:
-    n, m, small = dist.get_world_size(), RING_MIN_PIECE, RING_MIN_PIECE - 1
+    n, m, small = dist.get_world_size(), RING_MIN_CHUNK, RING_MIN_CHUNK - 1
     user = Comm(ledger=CommLedger())
     private = user.private("sharded")
     out = {}
@@ -90,7 +91,7 @@ def _defaults() -> dict:
 
 def test_defaults_ring_only_on_the_sharded_group_from_three_ranks() -> None:
     four = run_ranks(_defaults, 4)[0]
-    # a narrower wire keeps fp32 sums at the owner; a chunk below one ring piece goes as one exchange
+    # a narrower wire keeps fp32 sums at the owner; a chunk below RING_MIN_CHUNK goes as one exchange
     assert four["sharded"] == ["ring", "p2p+sum", "ring", "p2p+sum", "ring", "p2p"]
     assert four["user"] == ["alltoall+sum"] * 4 + ["native"] * 2
     two = run_ranks(_defaults, 2)[0]
@@ -138,3 +139,24 @@ def test_ring_order_sum_single_process() -> None:
     # owner 1: ((x2 + x3) + x0) + x1 = ((-1e16 + 1) + 1e16) + 1 = 0 + 1 in float64 rounding of -1e16 + 1
     assert ring_order_sum([p.double() for p in parts], 1).item() == ((-1e16 + 1.0) + 1e16) + 1.0
     assert ring_order_sum([p.double() for p in parts], 3).item() == ((1e16 + 1.0) + -1e16) + 1.0
+
+
+def _child_workers(q) -> None:
+    from lowband.comm import ring
+
+    q.put(len(ring._WORKERS))
+
+
+def test_forked_child_starts_without_the_parents_ring_threads() -> None:
+    import multiprocessing as mp
+
+    from lowband.comm import ring
+
+    ring.worker_for(None, "fork-test")
+    assert ring._WORKERS
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child_workers, args=(q,))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0 and q.get(timeout=5) == 0

@@ -1,4 +1,4 @@
-"""The sharded optimizer on the ring (3 and 4 gloo ranks, a unit with chunks of at least ``RING_MIN_PIECE``
+"""The sharded optimizer on the ring (3 and 4 gloo ranks, a unit with chunks of at least ``RING_MIN_CHUNK``
 elements): its parameters after clipped AdamW steps against single-process ``torch.optim.AdamW`` on the global
 batch, the algorithm each unit's reduce-scatter and all-gather ran, and every rank holding the same bits."""
 
@@ -11,11 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowband.comm import Comm, CommLedger
-from lowband.comm.ring import RING_MIN_PIECE
+from lowband.comm.ring import RING_MIN_CHUNK
 from lowband.optim import ShardedAdamW
 from lowband.testing import run_ranks
 
-IN, WIDE, OUT, PER_RANK, STEPS = 24, 4 * RING_MIN_PIECE // 24 + 8, 5, 4, 3
+IN, WIDE, OUT, PER_RANK, STEPS = 24, 4 * RING_MIN_CHUNK // 24 + 8, 5, 4, 3  # the wide weight: 4 chunks or more
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
@@ -35,7 +35,7 @@ def _train(dtype_name: str) -> dict:
     rank, n = dist.get_rank(), dist.get_world_size()
     model = _model(dtype)
     ledger = CommLedger()
-    # a 10 kB bucket: the wide weight is a unit of its own (chunks >= RING_MIN_PIECE: the ring), the rest
+    # a 10 kB bucket: the wide weight (fp64: 256 kB) is a unit of its own (chunks >= RING_MIN_CHUNK: the ring), the rest
     # are small units (one exchange each)
     opt = ShardedAdamW(model.parameters(), comm=Comm(ledger=ledger), bucket_mb=0.01, module=model,
                        param_gather="forward", **HP)
@@ -47,7 +47,7 @@ def _train(dtype_name: str) -> dict:
         opt.step()
         opt.zero_grad()
     opt.wait_for_params()
-    algos = sorted({(r.op, r.numel // n >= RING_MIN_PIECE, r.algorithm) for r in ledger.records
+    algos = sorted({(r.op, r.numel // n >= RING_MIN_CHUNK, r.algorithm) for r in ledger.records
                     if r.tag.startswith(("grad:", "param:"))})
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     everyone = [torch.empty_like(flat) for _ in range(n)]
@@ -71,7 +71,7 @@ def _reference(dtype: torch.dtype, n: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("world", [3, 4])
 def test_sharded_adamw_on_the_ring_matches_torch_adamw(world: int) -> None:
-    assert WIDE * IN // world >= RING_MIN_PIECE
+    assert WIDE * IN // world >= RING_MIN_CHUNK
     ref = _reference(torch.float64, world)
     for r in run_ranks(_train, world, "float64"):
         assert r["same_bits"]
