@@ -190,6 +190,7 @@ CONTENDERS: dict[str, Callable[[Config, DistEnv, Batches], Contender]] = {
                                               {"strategy": {"grad_wire_dtype": "fp8"},
                                                "sharded": {"param_wire_dtype": "bfloat16",
                                                            "grad_error_feedback": True}}),
+    "sharded-adamw-p2p": StrategyContender("sharded-adamw", "sharded-adamw-p2p", {"sharded": {"exchange": "p2p"}}),
     "sharded-muon": StrategyContender("sharded-muon"),
     "zero": _lazy("lowband.bench.dp_torch", "zero_contender"),
     "fsdp2": _lazy("lowband.bench.dp_torch", "fsdp2_contender"),
@@ -197,7 +198,7 @@ CONTENDERS: dict[str, Callable[[Config, DistEnv, Batches], Contender]] = {
     "fsdp2-muon": _lazy("lowband.bench.dp_torch", "fsdp2_muon_contender"),
 }
 
-NAMED_ONLY: tuple[str, ...] = ("sharded-adamw-fp8", "sharded-adamw-fp8-ef")
+NAMED_ONLY: tuple[str, ...] = ("sharded-adamw-fp8", "sharded-adamw-fp8-ef", "sharded-adamw-p2p")
 """Contenders run only when named (issue 24's fp8 gradients: ``--contenders ddp,sharded-adamw,sharded-adamw-fp8``)."""
 
 DEFAULT_CONTENDERS: tuple[str, ...] = tuple(n for n in CONTENDERS if n not in NAMED_ONLY)

@@ -108,10 +108,13 @@ ALGORITHMS: dict[str, tuple[str, ...]] = {
     "all_to_all": ("native", "p2p"),
 }
 _P2P_TAGS = 1 << 30  # gloo point-to-point tags are non-negative int32: the sequence wraps here
-P2P_PURPOSES = ("sharded",)
-"""Private ``Comm`` purposes whose gloo reduce-scatter, all-gather and all-to-all default to ``p2p`` (reduce-scatter
-and all-gather: to ``ring`` from three ranks; see the module docstring); every other ``Comm`` keeps gloo's
-collectives unless ``algorithms`` asks for ``p2p`` or ``ring``."""
+P2P_PURPOSES = ("sharded", "sharded-p2p")
+"""Private ``Comm`` purposes whose gloo reduce-scatter, all-gather and all-to-all default to ``p2p`` (see the module
+docstring); every other ``Comm`` keeps gloo's collectives unless ``algorithms`` asks for ``p2p`` or ``ring``."""
+RING_PURPOSES = ("sharded",)
+"""Private ``Comm`` purposes whose gloo reduce-scatter (fp32/fp64 wire) and all-gather default to ``ring`` from three
+ranks and ``RING_MIN_CHUNK`` elements per chunk (the sharded optimizer's ``exchange="ring"``; ``"sharded-p2p"`` is
+its ``exchange="p2p"``)."""
 REDUCE_OPS = ("sum", "avg", "max", "min")
 _FLOAT_WIRE = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -275,6 +278,7 @@ class Comm:
         self.gloo_broadcast_gather_min_bytes = 4 << 20
         self._p2p_seq = 0  # tag of the next point-to-point exchange (every rank counts its exchanges alike)
         self.point_to_point = False  # p2p as the gloo default (private Comms of P2P_PURPOSES)
+        self.ring_default = False  # ring as the gloo default from 3 ranks (private Comms of RING_PURPOSES)
         for op, algo in self.algorithms.items():
             if op not in ALGORITHMS or algo not in ALGORITHMS[op]:
                 allowed = {k: list(v) for k, v in ALGORITHMS.items()}
@@ -373,6 +377,7 @@ class Comm:
         priv.gloo_broadcast_gather_min_bytes = root.gloo_broadcast_gather_min_bytes
         priv.parent, priv.purpose = root, purpose
         priv.point_to_point = purpose in P2P_PURPOSES
+        priv.ring_default = purpose in RING_PURPOSES
         if priv.rank != root.rank or priv.size != root.size:
             raise RuntimeError(f"Comm {root.name!r}: private group for {purpose!r} has rank {priv.rank} of "
                                f"{priv.size}, expected {root.rank} of {root.size}")
@@ -651,7 +656,7 @@ class Comm:
             wire in (torch.float32, torch.float64) or not wire.is_floating_point)
         ring_ok = (self._ring_ok(input) and wire == input.dtype == output.dtype
                    and wire in (torch.float32, torch.float64))
-        default = ("native" if native_ok else "ring" if ring_ok and self._p2p_ok(input) and self._ring_pays(
+        default = ("native" if native_ok else "ring" if ring_ok and self.ring_default and self._ring_pays(
             output.numel()) else "p2p" if self._p2p_ok(input) else "alltoall")
         algo = self._algo("reduce_scatter", default)
         if algo == "ring" and not ring_ok:
@@ -682,7 +687,8 @@ class Comm:
         nbytes = ring_wire_bytes("all_gather", n, output.numel() * esize)
         nbytes_out = output.numel() * esize
         if self._p2p_ok(input):
-            default = "ring" if self._ring_ok(input) and self._ring_pays(input.numel()) else "p2p"
+            default = "ring" if self.ring_default and self._ring_ok(input) and self._ring_pays(input.numel()) \
+                else "p2p"
         else:
             default = "native" if self._is_nccl(input) or nbytes_out < self.gloo_broadcast_gather_min_bytes \
                 else "broadcast"

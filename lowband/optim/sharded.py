@@ -126,6 +126,8 @@ from lowband.optim.sparse_rows import (
 
 ALGORITHMS = ("adamw", "muon")
 PARAM_GATHER = ("step", "forward")
+EXCHANGES = {"ring": "sharded", "p2p": "sharded-p2p"}
+"""``exchange=`` choices and the private ``Comm`` purpose each runs on (``lowband.comm.comm.RING_PURPOSES``)."""
 INIT_SYNC = (True, False, "verify")
 _PROBE = 64  # elements of each gradient compared at step() to spot GradScaler's unscale (see _probe_scale)
 _LEVEL_USED, _LEVEL_GRAD_CHANGED, _LEVEL_STORAGE = 1, 2, 3  # per-member flag levels (MAX-reduced)
@@ -269,6 +271,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         lr_ratio_check: refuse a step whose Muon/AdamW lrs lost their construction ratio (see above).
         state_timeout: seconds a state collective waits for the other ranks (see above).
         grad_block_size: elements per fp32 scale of an ``"fp8"``/``"int8"`` gradient (a multiple of 4).
+        exchange: how a gloo group of 3 ranks or more moves the fp32 (fp64) gradient reduce-scatters and the
+            parameter all-gathers of units with chunks of ``lowband.comm.ring.RING_MIN_CHUNK`` elements or more:
+            ``"ring"`` (default; a pipelined ring, one TCP flow per link direction, :mod:`lowband.comm.ring`; sums
+            in ring order) or ``"p2p"`` (every peer at once, receives posted first; sums in rank order). On a
+            bandwidth-bound link the ring is faster (4 ranks, 10 Mbit/s: 1.06x DDP's step against 1.36x); where
+            each rank shares few cores with others and the link is fast, its per-step hand-offs cost latency
+            (4 ranks on 2 cores, 1 Gbit/s: 1.47x against 1.14x). Two ranks, other backends and narrower wires
+            are the same either way. docs/PERFORMANCE.md has the runs.
         grad_error_feedback: with ``"fp8"``/``"int8"`` gradients, error feedback: each rank keeps its own
             encoding error of every unit (a residual: the unit's size in fp32 on every rank, 4 bytes per
             parameter; sparse-table units none) and sends ``gradient + residual`` next time, so what the
@@ -297,7 +307,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  sparse_mode: str = "auto", sparse_count_comm: Comm | None = None,
                  init_sync: bool | str = True, lr_ratio_check: bool = True,
                  state_timeout: float = 60.0, grad_block_size: int = DEFAULT_BLOCK_SIZE,
-                 grad_error_feedback: bool = False) -> None:
+                 grad_error_feedback: bool = False, exchange: str = "ring") -> None:
         if not (init_sync is True or init_sync is False or init_sync == "verify"):
             raise ValueError(f"ShardedOptimizer: init_sync={init_sync!r} is not allowed; allowed: True "
                              "(broadcast from rank 0), False (trust the caller), 'verify' (checksum, raise)")
@@ -343,6 +353,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"ShardedOptimizer: algorithm={algorithm!r} is not allowed; "
                              f"allowed: {list(ALGORITHMS)}")
+        if exchange not in EXCHANGES:
+            raise ValueError(f"ShardedOptimizer: exchange={exchange!r} is not allowed; allowed: {list(EXCHANGES)}")
         sparse_tables = list(sparse_tables)
         validate_sparse_tables(sparse_tables, sparse_mode, "ShardedOptimizer")
         if module is not None:
@@ -355,7 +367,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         self._validate_groups()
 
-        self.comm = (comm if comm is not None else Comm()).private("sharded")  # own group (Comm.private)
+        self.exchange = exchange
+        self.comm = (comm if comm is not None else Comm()).private(EXCHANGES[exchange])  # own group (Comm.private)
         # the state collectives (state_dict, full_state_dict, load_state_dict) on a second group whose
         # timeout is state_timeout: a call only some ranks make ends with an error, not a 30-minute hang
         self.state_timeout = float(state_timeout)
@@ -380,7 +393,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                        self.bucket_mb, repr(grad_codec) if grad_codec else str(grad_wire_dtype), grad_error_feedback,
                        str(param_wire_dtype), param_gather,
                        [(t.name, tuple(t.param.shape), t.hash, t.vocab_size) for t in sparse_tables], sparse_mode,
-                       init_sync, self.lr_ratio_check, self.state_timeout)
+                       init_sync, self.lr_ratio_check, self.state_timeout, exchange)
         self.comm.agree(fingerprint, "ShardedOptimizer parameters (group, algorithm, shape, dtype, "
                                      "requires_grad) and settings")
 

@@ -289,6 +289,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "diloco.inner": ("ddp", "sharded-adamw", "sharded-muon", "gtp"),
     "model.forward": ("auto", "targets", "logits"),
     "sharded.param_wire_dtype": ("float32", "bfloat16"),
+    "sharded.exchange": ("ring", "p2p"),
     "gtp.gather": ("native", "bf16", "fp8"),
     "gtp.optimizer": ("adamw", "muon"),
     "tp.optimizer": ("rekls", "adamw"),

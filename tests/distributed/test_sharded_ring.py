@@ -82,3 +82,33 @@ def test_sharded_adamw_on_the_ring_matches_torch_adamw(world: int) -> None:
             torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-10)
     for r in run_ranks(_train, world, "float32"):
         assert r["same_bits"]
+
+
+def _exchange_choice(exchange: str) -> dict:
+    model = _model(torch.float32)
+    ledger = CommLedger()
+    opt = ShardedAdamW(model.parameters(), comm=Comm(ledger=ledger), bucket_mb=0.01, exchange=exchange, **HP)
+    x, y = _batch(0, dist.get_world_size(), torch.float32)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    return {"purpose": opt.comm.purpose, "algos": sorted({r.algorithm for r in ledger.records
+                                                          if r.tag.startswith(("grad:", "param:"))})}
+
+
+def _mixed_exchange() -> str:
+    try:
+        ShardedAdamW(_model(torch.float32).parameters(), comm=Comm(ledger=CommLedger()),
+                     exchange="ring" if dist.get_rank() == 0 else "p2p")
+    except ValueError as e:
+        return str(e)
+    return "built"
+
+
+def test_exchange_p2p_keeps_every_peer_at_once_and_is_agreed() -> None:
+    ring, p2p = run_ranks(_exchange_choice, 3, "ring")[0], run_ranks(_exchange_choice, 3, "p2p")[0]
+    assert ring == {"purpose": "sharded", "algos": ["p2p", "p2p+sum", "ring"]}
+    assert p2p == {"purpose": "sharded-p2p", "algos": ["p2p", "p2p+sum"]}
+    # ranks that chose differently are refused at construction, on every rank, naming the settings
+    assert all("settings" in r for r in run_ranks(_mixed_exchange, 3, timeout=120))
+    with pytest.raises(ValueError, match="exchange='tree' is not allowed"):
+        ShardedAdamW(_model(torch.float32).parameters(), exchange="tree")

@@ -105,6 +105,9 @@ def test_registry_config_and_extension() -> None:
     ef = CONTENDERS["sharded-adamw-fp8-ef"].config(cfg, flat)
     assert ef.sharded.grad_error_feedback and ef.strategy.grad_wire_dtype == "fp8"
     assert not fp8.sharded.grad_error_feedback and "sharded-adamw-fp8-ef" not in contender_list("all")
+    assert CONTENDERS["sharded-adamw-p2p"].config(cfg, flat).sharded.exchange == "p2p"
+    assert CONTENDERS["sharded-adamw"].config(cfg, flat).sharded.exchange == "ring"
+    assert "sharded-adamw-p2p" not in contender_list("all")
     assert cfg.sparse.tables == []  # the base config is not touched
     from lowband.comm import codecs
 

@@ -53,6 +53,10 @@ class ShardedConfig:
     """With strategy.grad_wire_dtype = fp8: each rank keeps what fp8 dropped of its gradients (4 bytes per
     parameter) and sends it with the next step's, so no gradient mass is lost (ShardedOptimizer
     grad_error_feedback; restarts at zero on resume)."""
+    exchange: str = "ring"
+    """gloo, 3 ranks or more, fp32 gradients: ring (a pipelined ring, one TCP flow per link direction: faster on a
+    bandwidth-bound link) | p2p (every peer at once: less latency where links are fast and cores few); see
+    ShardedOptimizer's exchange and docs/PERFORMANCE.md."""
 
 
 @dataclass(kw_only=True)
@@ -154,7 +158,8 @@ class _ShardedBase(Strategy):
             self._groups(model), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
             momentum=o.muon_momentum, comm=comm, bucket_mb=s.bucket_mb,
             grad_wire_dtype=_WIRE[s.grad_wire_dtype], param_wire_dtype=_WIRE[self.cfg.sharded.param_wire_dtype],
-            grad_error_feedback=self.cfg.sharded.grad_error_feedback, module=model, param_gather=self.param_gather,
+            grad_error_feedback=self.cfg.sharded.grad_error_feedback, exchange=self.cfg.sharded.exchange,
+            module=model, param_gather=self.param_gather,
             sparse_tables=sparse_tables_from_plan(model, list(sp.tables), plan=self.model_plan(model),
                                                   where="sparse.tables"),
             sparse_mode=sp.mode)
