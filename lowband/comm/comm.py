@@ -31,8 +31,8 @@ every ``isend`` (one tag per exchange), so both directions always run at once (:
 ``python -m lowband.bench link`` measures it. From three ranks the sharded optimizer's reduce-scatter
 (fp32/fp64 wire) and all-gather of chunks of ``RING_MIN_CHUNK`` elements or more run as a pipelined ring
 instead (``ring``, :mod:`lowband.comm.ring`): one TCP flow per direction of every link, where the
-all-peers exchange made ``N - 1`` flows meet in every rank's link (at 4 ranks on a 10 Mbit/s link it took
-the sharded optimizer's step from 1.4x DDP's to about 1.1x, docs/PERFORMANCE.md). Both are the default of
+all-peers exchange made ``N - 1`` flows meet in every rank's link (at 4 ranks on a 10 Mbit/s link the
+sharded optimizer's step was 1.07x DDP's with it, 1.32x without, docs/PERFORMANCE.md). Both are the default of
 the sharded optimizer's private ``Comm`` (``P2P_PURPOSES``), where they were measured; other components
 keep gloo's collectives until they are measured and tested with them (GTP's tests timed out in three runs on
 a heavily loaded machine with ``p2p``, not yet understood). A group torch.distributed did not create (a

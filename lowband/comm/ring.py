@@ -59,9 +59,9 @@ def ring_pieces(chunk_numel: int) -> int:
 
     The trade-off, measured at 4 ranks on shaped links (docs/PERFORMANCE.md): each piece is one more
     point-to-point message per step and one more hand-off on the ring thread, which costs latency where the link
-    is fast (1 Gbit/s: 6 pieces of a 110 kB chunk made the step 1.5x the all-peers exchange's, 2 pieces about
-    1.25x), while one piece leaves every link idle while a step's chunk is being received whole (10 Mbit/s:
-    1 piece 1.17x DDP's step, 2 pieces 1.03x, 6 pieces 1.09x, one run each)."""
+    is fast (1 Gbit/s: 6 pieces of a 110 kB chunk made the step 1.5x the all-peers exchange's, 2 pieces
+    1.14-1.25x), while one piece leaves every link idle while a step's chunk is being received whole
+    (10 Mbit/s: 1 piece 1.17x DDP's step, 2 pieces 1.03-1.07x, 6 pieces 1.09x; one run each)."""
     if chunk_numel < 2:
         return 1
     return max(2, min(RING_MAX_PIECES, chunk_numel // RING_PIECE))

@@ -275,9 +275,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             parameter all-gathers of units with chunks of ``lowband.comm.ring.RING_MIN_CHUNK`` elements or more:
             ``"ring"`` (default; a pipelined ring, one TCP flow per link direction, :mod:`lowband.comm.ring`; sums
             in ring order) or ``"p2p"`` (every peer at once, receives posted first; sums in rank order). On a
-            bandwidth-bound link the ring is faster (4 ranks, 10 Mbit/s: 1.06x DDP's step against 1.36x); where
+            bandwidth-bound link the ring is faster (4 ranks, 10 Mbit/s: 1.07x DDP's step against 1.32x); where
             each rank shares few cores with others and the link is fast, its per-step hand-offs cost latency
-            (4 ranks on 2 cores, 1 Gbit/s: 1.47x against 1.14x). Two ranks, other backends and narrower wires
+            (4 ranks on 2 cores, 1 Gbit/s: 1.35x against 1.18x). Two ranks, other backends and narrower wires
             are the same either way. docs/PERFORMANCE.md has the runs.
         grad_error_feedback: with ``"fp8"``/``"int8"`` gradients, error feedback: each rank keeps its own
             encoding error of every unit (a residual: the unit's size in fp32 on every rank, 4 bytes per
