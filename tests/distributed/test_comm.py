@@ -222,24 +222,25 @@ def test_point_to_point_algorithms_match_the_collective_ones_bitwise(world: int)
     run_ranks(_algorithms_agree_bitwise, world)
 
 
-def _gather_on_rank_zero_only() -> str:
-    comm = Comm(ledger=CommLedger(), algorithms={"all_gather": "p2p"})
+def gather_on_rank_zero_only(algorithm: str = "p2p") -> str:
+    """Rank 0 alone calls an all-gather (``algorithm``, tag ``"param"``); the others wait until it is done."""
+    comm = Comm(ledger=CommLedger(), algorithms={"all_gather": algorithm})
     store = dist.distributed_c10d._get_default_store()
     if dist.get_rank() != 0:  # stays up (its connections open) until rank 0 is done, however long it takes
-        store.wait(["p2p_test_done"], timedelta(seconds=50))
+        store.wait([f"{algorithm}_test_done"], timedelta(seconds=50))
         return "skipped"
     try:
-        comm.all_gather(torch.empty(2 * 8), torch.ones(8))
+        comm.all_gather(torch.empty(dist.get_world_size() * 8), torch.ones(8), tag="param")
         return "returned"
     except RuntimeError as e:
         return str(e)
     finally:
-        store.set("p2p_test_done", "1")
+        store.set(f"{algorithm}_test_done", "1")
 
 
 def test_point_to_point_exchange_without_a_partner_times_out() -> None:
     # a point-to-point receive waits forever unless given a timeout: lowband gives it the group's
-    res = run_ranks(_gather_on_rank_zero_only, 2, timeout=60, pg_timeout=3)
+    res = run_ranks(gather_on_rank_zero_only, 2, timeout=60, pg_timeout=3)
     assert res[1] == "skipped"
     assert "timed out" in res[0].lower(), res[0]
 

@@ -6,8 +6,6 @@ an operation nobody waited for finished before its group is destroyed."""
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,6 +14,7 @@ from lowband.comm import Comm, CommLedger
 from lowband.comm.comm import true_div
 from lowband.comm.ring import RING_MAX_PIECES, RING_MIN_CHUNK, RING_PIECE, ring_order_sum, ring_pieces
 from lowband.testing import run_ranks
+from tests.distributed.test_comm import gather_on_rank_zero_only
 
 # chunk sizes: one element, two pieces (the fewest of a longer chunk), three pieces with a ragged tail, the most
 # pieces (capped)
@@ -98,23 +97,8 @@ def test_defaults_ring_only_on_the_sharded_group_from_three_ranks() -> None:
     assert two["sharded"] == ["p2p+sum"] * 4 + ["p2p"] * 2  # at two ranks the ring is the exchange
 
 
-def _gather_on_rank_zero_only() -> str:
-    comm = Comm(ledger=CommLedger(), algorithms={"all_gather": "ring"})
-    store = dist.distributed_c10d._get_default_store()
-    if dist.get_rank() != 0:  # stays up (its connections open) until rank 0 is done, however long it takes
-        store.wait(["ring_test_done"], timedelta(seconds=50))
-        return "skipped"
-    try:
-        comm.all_gather(torch.empty(3 * 8), torch.ones(8), tag="param")
-        return "returned"
-    except RuntimeError as e:
-        return str(e)
-    finally:
-        store.set("ring_test_done", "1")
-
-
 def test_ring_without_partners_times_out_naming_the_operation() -> None:
-    res = run_ranks(_gather_on_rank_zero_only, 3, timeout=60, pg_timeout=3)
+    res = run_ranks(gather_on_rank_zero_only, 3, "ring", timeout=60, pg_timeout=3)
     assert res[1:] == ["skipped", "skipped"]
     assert "all_gather (tag 'param'" in res[0] and "ring" in res[0] and "timed out" in res[0].lower(), res[0]
 
