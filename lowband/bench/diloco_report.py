@@ -69,9 +69,12 @@ def report_args(module: str, inputs_help: str, title: str, argv: list[str] | Non
 
 def main(argv: list[str] | None = None) -> int:
     a = report_args("diloco_report", "diloco bench JSON files", "", argv)
-    docs = [json.loads(Path(f).read_text()) for f in a.inputs]
     try:
+        docs = [json.loads(Path(f).read_text()) for f in a.inputs]
         results = merge(docs)
+    except (OSError, KeyError, json.JSONDecodeError) as e:
+        print(f"diloco_report: not a readable diloco bench document ({type(e).__name__}: {e})", file=sys.stderr)
+        return 2
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2

@@ -117,6 +117,20 @@ def test_scaling_sweep_command_writes_its_outputs_and_refuses_in_one_line(tmp_pa
     assert capsys.readouterr().err.startswith("diloco_sweep: not a readable diloco bench document (FileNotFoundError")
 
 
+def test_report_refuses_an_unreadable_input_in_one_line(tmp_path, capsys) -> None:
+    from lowband.bench.diloco_report import main as report_main
+
+    assert report_main([str(tmp_path / "missing.json"), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("diloco_report: not a readable diloco bench document (FileNotFoundError")
+    assert err.count("\n") == 1
+    garbled = tmp_path / "garbled.json"
+    garbled.write_text("{not json")
+    assert report_main([str(garbled), "--out", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err.startswith("diloco_report: not a readable diloco bench document (JSONDecodeError")
+    assert not list(tmp_path.glob("x*"))  # nothing written
+
+
 def test_scaling_sweep_keeps_runs_of_different_lengths_apart() -> None:
     from lowband.bench.diloco_sweep import sweep
 
