@@ -403,21 +403,24 @@ class Comm:
         """Whether ``p2p`` is the default here: a ``Comm`` with ``point_to_point`` set, CPU tensors on a gloo
         group torch.distributed created (a torchft-managed group keeps the native collectives: its
         point-to-point support is its own)."""
-        return (self.point_to_point and not tensor.is_cuda and self.backends == "gloo"
+        return self.point_to_point and self._torch_gloo_cpu(tensor)
+
+    def _torch_gloo_cpu(self, tensor: torch.Tensor) -> bool:
+        """CPU tensors on a gloo group torch.distributed created: where lowband's point-to-point algorithms run."""
+        return (not tensor.is_cuda and self.backends == "gloo"
                 and (self.group is None or self.group in dist.distributed_c10d._world.pg_group_ranks))
 
     def _ring_ok(self, tensor: torch.Tensor) -> bool:
-        """Whether the ring (:mod:`lowband.comm.ring`) can run here: CPU tensors on a gloo group
-        torch.distributed created, three ranks or more (at two ranks the ring is the ``p2p`` exchange)."""
-        return (self.size > 2 and not tensor.is_cuda and self.backends == "gloo"
-                and (self.group is None or self.group in dist.distributed_c10d._world.pg_group_ranks))
+        """Whether the ring (:mod:`lowband.comm.ring`) can run here: :meth:`_torch_gloo_cpu`, three ranks or more
+        (at two ranks the ring is the ``p2p`` exchange)."""
+        return self.size > 2 and self._torch_gloo_cpu(tensor)
 
-    @staticmethod
-    def _ring_pays(chunk_numel: int) -> bool:
-        """Whether a chunk is big enough for the ring to be the default: ``RING_MIN_CHUNK`` elements or more.
-        A smaller one goes as one ``p2p`` exchange, posted at once beside whatever is in flight, instead of
-        ``N - 1`` latency-bound ring steps queued behind the ring thread's big transfers."""
-        return chunk_numel >= RING_MIN_CHUNK
+    def _ring_default(self, tensor: torch.Tensor, chunk_numel: int) -> bool:
+        """Whether the ring is the default here: a ``Comm`` with ``ring_default`` set where :meth:`_ring_ok`, and a
+        chunk of ``RING_MIN_CHUNK`` elements or more. A smaller one goes as one ``p2p`` exchange, posted at once
+        beside whatever is in flight, instead of ``N - 1`` latency-bound ring steps queued behind the ring
+        thread's big transfers."""
+        return self.ring_default and self._ring_ok(tensor) and chunk_numel >= RING_MIN_CHUNK
 
     def _ring_tags(self, chunk_numel: int) -> int:
         """First tag of a block of :func:`lowband.comm.ring.ring_tags` tags (every rank allocates alike)."""
@@ -656,8 +659,8 @@ class Comm:
             wire in (torch.float32, torch.float64) or not wire.is_floating_point)
         ring_ok = (self._ring_ok(input) and wire == input.dtype == output.dtype
                    and wire in (torch.float32, torch.float64))
-        default = ("native" if native_ok else "ring" if ring_ok and self.ring_default and self._ring_pays(
-            output.numel()) else "p2p" if self._p2p_ok(input) else "alltoall")
+        default = ("native" if native_ok else "ring" if ring_ok and self._ring_default(input, output.numel())
+                   else "p2p" if self._p2p_ok(input) else "alltoall")
         algo = self._algo("reduce_scatter", default)
         if algo == "ring" and not ring_ok:
             algo = "p2p"  # the ring sums fp32/fp64 of one dtype on gloo CPU groups of 3+ ranks only
@@ -687,8 +690,7 @@ class Comm:
         nbytes = ring_wire_bytes("all_gather", n, output.numel() * esize)
         nbytes_out = output.numel() * esize
         if self._p2p_ok(input):
-            default = "ring" if self.ring_default and self._ring_ok(input) and self._ring_pays(input.numel()) \
-                else "p2p"
+            default = "ring" if self._ring_default(input, input.numel()) else "p2p"
         else:
             default = "native" if self._is_nccl(input) or nbytes_out < self.gloo_broadcast_gather_min_bytes \
                 else "broadcast"

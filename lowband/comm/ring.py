@@ -72,13 +72,19 @@ def ring_tags(world: int, chunk_numel: int) -> int:
     return (world - 1) * ring_pieces(chunk_numel)
 
 
+def ring_order(owner: int, world: int) -> list[int]:
+    """The ranks in the order the ring reduce-scatter adds up chunk ``owner``: from ``owner + 1`` around to
+    ``owner``."""
+    return [(owner + 1 + i) % world for i in range(world)]
+
+
 def ring_order_sum(parts: list[torch.Tensor], owner: int) -> torch.Tensor:
     """Single-process reference of the ring reduce-scatter's sum of chunk ``owner``: ``parts[i]`` is rank
-    ``i``'s copy of that chunk; the sum runs from rank ``owner + 1`` around the ring to ``owner``."""
-    n = len(parts)
-    acc = parts[(owner + 1) % n].clone()
-    for i in range(2, n + 1):
-        acc = acc + parts[(owner + i) % n]
+    ``i``'s copy of that chunk, added in :func:`ring_order`."""
+    first, *rest = ring_order(owner, len(parts))
+    acc = parts[first].clone()
+    for i in rest:
+        acc = acc + parts[i]
     return acc
 
 

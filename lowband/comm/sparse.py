@@ -69,6 +69,7 @@ import torch
 
 from lowband.comm.comm import Comm, true_div_
 from lowband.comm.ledger import ring_wire_bytes
+from lowband.comm.ring import ring_order
 
 MODES = ("auto", "sparse", "dense")
 RowsFn = Callable[[np.ndarray, int], np.ndarray]
@@ -497,10 +498,9 @@ def summation_order(comm: Comm, grad: torch.Tensor, output: torch.Tensor,
                     wire_dtype: torch.dtype | None) -> list[int]:
     """The ranks in the order :meth:`Comm.reduce_scatter` of this table's padded gradient adds them up on
     this rank: around the ring from the next rank for its ``ring`` algorithm, else rank order."""
-    n, rank = comm.size, comm.rank
     if comm.reduce_scatter_algorithm(grad, output, wire_dtype) == "ring":
-        return [(rank + 1 + i) % n for i in range(n)]
-    return list(range(n))
+        return ring_order(comm.rank, comm.size)
+    return list(range(comm.size))
 
 
 def dense_reference(grads: list[torch.Tensor], rows_per_rank: int, rank: int, op: str = "avg",
@@ -513,8 +513,7 @@ def dense_reference(grads: list[torch.Tensor], rows_per_rank: int, rank: int, op
     lo = rank * rows_per_rank
     acc_dtype = _acc_dtype(grads[0].dtype)
     acc = torch.zeros(rows_per_rank, dim, dtype=acc_dtype)
-    n = len(grads)
-    order = [(rank + 1 + i) % n for i in range(n)] if ring else list(range(n))
+    order = ring_order(rank, len(grads)) if ring else range(len(grads))
     for g in (grads[i] for i in order):
         part = g[lo:lo + rows_per_rank]
         if wire_dtype is not None:

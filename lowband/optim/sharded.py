@@ -367,7 +367,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         self._validate_groups()
 
-        self.exchange = exchange
         self.comm = (comm if comm is not None else Comm()).private(EXCHANGES[exchange])  # own group (Comm.private)
         # the state collectives (state_dict, full_state_dict, load_state_dict) on a second group whose
         # timeout is state_timeout: a call only some ranks make ends with an error, not a 30-minute hang
