@@ -232,18 +232,27 @@ def _register_diloco() -> None:
 _register_diloco()
 
 
-def _sparseloco_overrides(delay: int) -> Callable[[LinkTopo], Overrides]:
-    """Rice-coded top-k + int2 with error feedback decayed by 0.95 (SparseLoCo's decay), ``delay`` steps of overlap."""
+def _sparseloco_overrides(delay: int, chunk: int | None = None,
+                          k: int | None = None) -> Callable[[LinkTopo], Overrides]:
+    """Rice-coded top-k + int2 with error feedback decayed by 0.95 (SparseLoCo's decay), ``delay`` steps of
+    overlap; ``k`` of every ``chunk`` values (default: the run config's, 8 of 256)."""
 
     def ov(topo: LinkTopo) -> Overrides:
-        return {**_diloco_overrides("topk-rice-int2")(topo), "diloco.ef_decay": 0.95, "diloco.delay": delay}
+        extra = {} if chunk is None else {"diloco.topk_chunk": chunk, "diloco.topk_k": k}
+        return {**_diloco_overrides("topk-rice-int2")(topo), "diloco.ef_decay": 0.95, "diloco.delay": delay, **extra}
     return ov
 
 
 for _delay in (0, 1):
-    register_contender(f"diloco-topk-rice-int2-ef95{'-d1' if _delay else ''}",
+    _d = "-d1" if _delay else ""
+    register_contender(f"diloco-topk-rice-int2-ef95{_d}",
                        LinkSpec("diloco", _sparseloco_overrides(_delay), in_all=False,
                                 note=f"Streaming DiLoCo, topk-rice-int2, error feedback decay 0.95, delay {_delay}"))
+    # configs/diloco.toml's codec: the 3000-step frontier of docs/PERFORMANCE.md (40 of every 4096 values)
+    register_contender(f"diloco-rice40of4096-ef95{_d}",
+                       LinkSpec("diloco", _sparseloco_overrides(_delay, 4096, 40), in_all=False,
+                                note=f"Streaming DiLoCo, topk-rice-int2 40 of 4096, error feedback decay 0.95, "
+                                     f"delay {_delay}"))
 
 
 def resolve(name: str) -> LinkSpec:

@@ -52,13 +52,15 @@ Wire bytes per rank: ``(N-1) * message_nbytes(m)`` (the ring all-gather volume),
 record of ``uint8``. For ``N = 2`` that equals the ``2 (N-1)/N`` all-reduce volume of the message;
 for larger ``N`` it grows as ``N - 1`` (the price of decoding every message exactly, as SparseLoCo and
 DeMo do). Optional ``residual_out`` receives ``x - decode(encode(x))`` of this rank's own message:
-what error feedback keeps.
+what error feedback keeps. A rank decodes its own message without parsing it back
+(:meth:`TopKCodec.encode_with_decoder`: the offsets are its selection's, only the values are decoded), bitwise
+what its peers decode from the same bytes; that one decode serves the residual and the sum.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -135,6 +137,11 @@ class LowBitCodec:
         q = torch.where(torch.isfinite(q), q, torch.zeros_like(q)).to(torch.int64)
         codes = pack_bits(q.reshape(-1), self.bits)
         return torch.cat([codes, scale.contiguous().view(torch.uint8)])
+
+    def encode_with_decoder(self, x: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.dtype], torch.Tensor]]:
+        """``(msg, dec)``: ``msg = encode(x)`` and ``dec(dtype) = decode(msg, x.numel(), dtype)``."""
+        msg, m = self.encode(x), x.numel()
+        return msg, lambda dtype: self.decode(msg, m, dtype)
 
     def decode(self, buf: torch.Tensor, m: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Decode a message of ``m`` elements into a 1-D tensor of ``dtype``."""
@@ -226,6 +233,18 @@ class TopKCodec:
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """Encode the 1-D float ``x`` into a uint8 message of ``message_nbytes(x.numel())`` bytes."""
+        return self._encode_selected(x)[0]
+
+    def encode_with_decoder(self, x: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.dtype], torch.Tensor]]:
+        """``(msg, dec)``: ``msg = encode(x)`` and ``dec(dtype)`` equal bitwise to ``decode(msg, x.numel(),
+        dtype)``, without parsing the offsets back (they are the selection's own, and their coding is
+        lossless): only the values are decoded. ``dec`` holds the offsets and the message, not a dense copy."""
+        msg, idx, payload = self._encode_selected(x)
+        m, nvals = x.numel(), idx.shape[0] * self.k
+        return msg, lambda dtype: self._scatter(idx, self._decode_values(payload, nvals, dtype), m, dtype)
+
+    def _encode_selected(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(message, the kept offsets ``(nc, k)``, the values' part of the message)."""
         _check_flat(x, self.name)
         idx, vals = self.select(x)
         if self.rice_coded:
@@ -237,7 +256,18 @@ class TopKCodec:
             payload = flat_vals.to(torch.float32).contiguous().view(torch.uint8)
         else:
             payload = self.values.encode(flat_vals)
-        return torch.cat([offsets, payload])
+        return torch.cat([offsets, payload]), idx, payload
+
+    def _decode_values(self, payload: torch.Tensor, nvals: int, dtype: torch.dtype) -> torch.Tensor:
+        if self.values is None:
+            return payload.clone().view(torch.float32).to(dtype)  # clone: 4-byte alignment
+        return self.values.decode(payload, nvals, dtype)
+
+    def _scatter(self, idx: torch.Tensor, vals: torch.Tensor, m: int, dtype: torch.dtype) -> torch.Tensor:
+        nc = idx.shape[0]
+        out = torch.zeros(nc, self.chunk, dtype=dtype, device=idx.device)
+        out.scatter_(1, idx, vals.view(nc, self.k))
+        return out.reshape(-1)[:m]
 
     def decode(self, buf: torch.Tensor, m: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Decode a message of ``m`` elements into a dense 1-D tensor of ``dtype`` (zeros elsewhere)."""
@@ -252,14 +282,7 @@ class TopKCodec:
             idx = decode_offsets(bits, c, self.k, self.rice_parameter)
         else:
             idx = unpack_bits(buf[:nidx], nvals, self.index_bits).view(nc, self.k)
-        rest = buf[nidx:]
-        if self.values is None:
-            vals = rest.clone().view(torch.float32).to(dtype)  # clone: 4-byte alignment
-        else:
-            vals = self.values.decode(rest, nvals, dtype)
-        out = torch.zeros(nc, c, dtype=dtype, device=buf.device)
-        out.scatter_(1, idx, vals.view(nc, self.k))
-        return out.reshape(-1)[:m]
+        return self._scatter(idx, self._decode_values(buf[nidx:], nvals, dtype), m, dtype)
 
     def error_bound(self, x: torch.Tensor) -> torch.Tensor:
         """Per-element bound (finite ``x``): ``|x|`` where dropped, the value codec's bound where kept."""
@@ -394,17 +417,21 @@ def gather_all_reduce(comm: Comm, flat: torch.Tensor, codec: MessageCodec, *, op
         raise ValueError("gather_all_reduce: flat must be a contiguous 1-D float tensor")
     n, m = comm.size, flat.numel()
     acc_dtype = _acc_dtype(flat.dtype)
-    mine = codec.encode(flat)
+    mine, decode_mine = codec.encode_with_decoder(flat)
     if residual_out is not None:
-        torch.sub(flat, codec.decode(mine, m, flat.dtype), out=residual_out)
+        torch.sub(flat, decode_mine(flat.dtype), out=residual_out)
     gathered = torch.empty(n * mine.numel(), dtype=torch.uint8, device=flat.device)
     work = comm.all_gather(gathered, mine, async_op=True, tag=tag)
 
+    def decoded(msg: torch.Tensor) -> torch.Tensor:
+        # decoding is a function of the bytes alone: a message equal to this rank's own reuses its decode
+        return decode_mine(acc_dtype) if torch.equal(msg, mine) else codec.decode(msg, m, acc_dtype)
+
     def finish() -> torch.Tensor:
         msgs = gathered.view(n, -1)
-        acc = codec.decode(msgs[0], m, acc_dtype).clone()
+        acc = decoded(msgs[0]).clone()
         for i in range(1, n):
-            acc.add_(codec.decode(msgs[i], m, acc_dtype))
+            acc.add_(decoded(msgs[i]))
         if op == "avg":
             true_div_(acc, n)
         flat.copy_(acc)

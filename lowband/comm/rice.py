@@ -62,25 +62,31 @@ def encode_offsets(idx: torch.Tensor, chunk: int, r: int) -> torch.Tensor:
 def decode_offsets(bits: torch.Tensor, chunk: int, k: int, r: int) -> torch.Tensor:
     """Inverse of :func:`encode_offsets`: ``(n, slot)`` bits to the ``(n, k)`` int64 offsets.
 
-    Vectorized over chunks, one pass per kept value: a unary code ends at the first 0 at or after its start,
-    found from a per-slot table of the next 0 bit."""
+    Vectorized over chunks and kept values: where a code starts at bit ``p``, its unary part ends at the first 0
+    at or after ``p`` (``next_zero[p]``, from a per-slot table) and the next code starts at
+    ``succ[p] = next_zero[p] + 1 + r``. The ``i``-th code starts at ``succ`` applied ``i`` times to 0, found by
+    pointer doubling (``succ``, ``succ o succ``, ... applied along the bits of ``i``): ``ceil(log2 k)`` passes
+    over the ``(n, slot + 1)`` table instead of ``k`` sequential ones. Positions past the slot (only a malformed
+    message reaches them) are clamped to it."""
     n, slot = bits.shape
     dev = bits.device
-    col = torch.arange(slot, device=dev, dtype=torch.int64).expand(n, slot)
-    zeros_at = torch.where(bits == 0, col, torch.full_like(col, slot))
-    next_zero = torch.flip(torch.cummin(torch.flip(zeros_at, [1]), dim=1).values, [1])
-    weights = (1 << torch.arange(r - 1, -1, -1, device=dev, dtype=torch.int64)) if r else None
-    rem_at = torch.arange(1, r + 1, device=dev, dtype=torch.int64)  # remainder bits after a unary code's 0
-    out = torch.empty(n, k, dtype=torch.int64, device=dev)
-    pos = torch.zeros(n, 1, dtype=torch.int64, device=dev)
-    prev = torch.full((n, 1), -1, dtype=torch.int64, device=dev)
-    for i in range(k):
-        end = next_zero.gather(1, pos.clamp(max=slot - 1))  # the terminating 0 of this unary code
-        gap = (end - pos) << r
-        if weights is not None:
-            rpos = end + rem_at
-            gap = gap + (bits.gather(1, rpos.clamp(max=slot - 1)).to(torch.int64) * weights).sum(1, keepdim=True)
-        prev = prev + 1 + gap
-        out[:, i:i + 1] = prev
-        pos = end + 1 + r
-    return out
+    col = torch.arange(slot + 1, device=dev, dtype=torch.int64)
+    is_zero = torch.cat([bits == 0, torch.ones(n, 1, dtype=torch.bool, device=dev)], dim=1)
+    zeros_at = torch.where(is_zero, col, torch.full_like(col, slot))
+    next_zero = torch.flip(torch.cummin(torch.flip(zeros_at, [1]), dim=1).values, [1])  # (n, slot + 1)
+    succ = (next_zero + 1 + r).clamp_(max=slot)
+    starts = torch.zeros(n, k, dtype=torch.int64, device=dev)
+    i = torch.arange(k, device=dev, dtype=torch.int64)
+    for j in range((k - 1).bit_length()):
+        if j:
+            succ = succ.gather(1, succ)  # succ applied 2^j times
+        take = ((i >> j) & 1).bool().expand(n, k)
+        starts = torch.where(take, succ.gather(1, starts), starts)
+    ends = next_zero.gather(1, starts)  # the terminating 0 of each unary code
+    gaps = (ends - starts) << r
+    if r:  # remainder bits after the terminating 0, most significant first
+        after = torch.arange(1, r + 1, device=dev, dtype=torch.int64)
+        rpos = (ends.unsqueeze(2) + after).clamp_(max=slot - 1).reshape(n, k * r)
+        weights = 1 << torch.arange(r - 1, -1, -1, device=dev, dtype=torch.int64)
+        gaps = gaps + (bits.gather(1, rpos).view(n, k, r).to(torch.int64) * weights).sum(2)
+    return torch.cumsum(gaps + 1, dim=1) - 1

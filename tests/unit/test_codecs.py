@@ -127,6 +127,28 @@ def test_message_codec_round_trip_within_documented_bound(name: str, kind: str, 
         assert int(kept.sum()) <= 8 * -(-x.numel() // 64)
 
 
+@pytest.mark.parametrize("name", MESSAGE_CODECS)
+@pytest.mark.parametrize("k", [1, 8, 64])
+def test_encode_with_decoder_decodes_bitwise_what_decode_does(name: str, k: int) -> None:
+    """The sender's own decode (offsets taken from its selection, not parsed back) is bitwise the receivers'
+    decode of the same bytes, for every dtype the gather all-reduce decodes into; NaN and inf included."""
+    codec = get_wire(name, block_size=16, topk_chunk=64, topk_k=k)
+    for kind, x in _flat_samples().items():
+        for src in (torch.float32, torch.float64):
+            xs = x.to(src)
+            if kind == "random":
+                xs = xs.clone()
+                xs[5], xs[77] = float("nan"), -float("inf")
+            msg, dec = codec.encode_with_decoder(xs)
+            assert torch.equal(msg, codec.encode(xs)), f"{name}/{kind}"
+            for dtype in (torch.float32, torch.float64, torch.bfloat16):
+                mine, theirs = dec(dtype), codec.decode(msg, xs.numel(), dtype)
+                assert mine.dtype == theirs.dtype == dtype and mine.shape == theirs.shape
+                same = (mine == theirs) | (torch.isnan(mine) & torch.isnan(theirs))
+                assert bool(same.all()), f"{name}/{kind}/{src}->{dtype}"
+                assert torch.equal(torch.signbit(mine), torch.signbit(theirs))
+
+
 def test_message_codec_bounds_are_tight_enough_to_mean_something() -> None:
     x = torch.randn(4096, generator=torch.Generator().manual_seed(2))
     rel = {}

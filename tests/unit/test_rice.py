@@ -40,6 +40,20 @@ def test_offsets_roundtrip_in_the_fixed_slot(chunk: int, k: int) -> None:
     assert torch.equal(decode_offsets(bits, chunk, k, r), idx)
 
 
+@pytest.mark.parametrize(("chunk", "k"), SHAPES)
+def test_malformed_slots_decode_without_error(chunk: int, k: int) -> None:
+    """Garbage bits (all ones, all zeros, random) decode to some ``(n, k)`` offsets, without an index error:
+    a corrupt message must fail where its decoded values are checked, not crash the decoder."""
+    r = rice_parameter(chunk, k)
+    slot = slot_bits(chunk, k, r)
+    g = torch.Generator().manual_seed(chunk * 7 + k)
+    bits = torch.cat([torch.ones(1, slot, dtype=torch.uint8), torch.zeros(1, slot, dtype=torch.uint8),
+                      torch.randint(0, 2, (6, slot), generator=g, dtype=torch.uint8)])
+    out = decode_offsets(bits, chunk, k, r)
+    assert out.shape == (8, k) and out.dtype == torch.int64
+    assert torch.equal(out[1], torch.arange(k))  # all-zero slot: every gap 0
+
+
 def test_known_slot_sizes() -> None:
     """C = 4096, k = 32: 287 bits (8.97 per value) against 384 fixed; C = 256, k = 8: 55 against 64; about
     the entropy of the support plus 8 % at 4096 / 32."""
