@@ -128,6 +128,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: --world and --repeats must be positive, --warmup >= 0", file=sys.stderr)
         return 2
     mod = importlib.import_module(SUITES[suite])
+    try:  # a suite's own option checks, before any rank starts
+        getattr(mod, "validate_options", lambda _opts: None)(opts)
+    except ValueError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
     out = opts["out"] or getattr(mod, "DEFAULT_OUT", None) or f"bench_out/{suite}-w{opts['world']}.json"
     if getattr(mod, "LAUNCHER", False):
         doc = launcher_main(suite, mod, {**opts, "out": out})

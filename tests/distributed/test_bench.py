@@ -32,6 +32,36 @@ def test_comm_suite_shape_and_bytes(tmp_path: Path) -> None:
     assert out.with_suffix(".md").read_text().startswith("### `comm`")
 
 
+def test_comm_suite_wire_codec_rows(tmp_path: Path) -> None:
+    """``wire:<codec>``: the codec average against torch's fp32 all-reduce, with the codec's exact message bytes."""
+    from lowband.comm.codecs import get_wire
+
+    out = tmp_path / "wire.json"
+    assert main(["comm", "--world", "2", "--repeats", "2", "--warmup", "0", "--out", str(out), "--sizes-mib", "0.25",
+                 "--ops", "wire:topk-rice-int2,wire:int8", "--topk-chunk", "4096", "--topk-k", "40"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["config"]["topk_chunk"] == 4096 and doc["config"]["topk_k"] == 40
+    rows = {r["name"]: r for r in doc["results"]}
+    numel = 2**18 // 4
+    msg = get_wire("topk-rice-int2", topk_chunk=4096, topk_k=40).message_nbytes(numel)
+    assert rows["wire:topk-rice-int2 0.25MiB lowband"]["wire_bytes_per_step_per_rank"] == msg  # (N-1) messages
+    assert rows["wire:topk-rice-int2 0.25MiB torch"]["wire_bytes_per_step_per_rank"] == 2**18  # fp32 all-reduce
+    int8 = rows["wire:int8 0.25MiB lowband"]["wire_bytes_per_step_per_rank"]
+    assert 2**16 <= int8 < 2**16 + 2**11  # one byte per element both phases at 2 ranks, plus block scales
+    assert "wire:int8 0.25MiB torch" in rows["wire:int8 0.25MiB lowband"]["ratio_vs"]
+
+
+def test_comm_suite_refuses_unknown_op_and_codec(tmp_path: Path, capsys) -> None:
+    """One line and exit 2 before any rank starts; nothing written."""
+    for ops, match in (("all_scatter", "unknown op 'all_scatter'"), ("wire:int3", "got 'int3'"),
+                       ("wire:topk", "topk_chunk must be a power of two")):
+        assert main(["comm", "--world", "2", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path / "x.json"),
+                     "--sizes-mib", "0.25", "--ops", ops, "--topk-chunk", "100"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("python -m lowband.bench: error:") and match in err and "\n" not in err
+    assert not (tmp_path / "x.json").exists()
+
+
 def test_dp_suite_ddp(tmp_path: Path) -> None:
     out = tmp_path / "dp.json"
     assert main(["dp", "--world", "2", "--repeats", "2", "--warmup", "1", "--out", str(out), "--n-layer", "1",
