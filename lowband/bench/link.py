@@ -7,7 +7,9 @@ bridge, ``tbf`` per link; ``--nodes K`` gives the two-level topology where the r
 an unshaped bridge and the K nodes are joined by the shaped links). Gloo runs over those interfaces
 (``GLOO_SOCKET_IFNAME=lb0``, rendezvous at rank 0's address on the bridge). Every contender of
 :mod:`lowband.bench.link_contenders` trains the same model on the built-in corpus with the same global
-batch (:mod:`lowband.bench.link_rank`); ddp first, whose final validation loss is the target.
+batch (:mod:`lowband.bench.link_rank`); ddp first, whose final validation loss is the target. A contender
+may be named with config changes, ``NAME/section.key=value/...`` (e.g.
+``diloco-topk-rice-int2-ef95/diloco.topk_k=16/diloco.fragments=1``), so a sweep needs no new registration.
 
 Reported per contender and bandwidth: training wall-clock to the target validation loss and its ratio
 to ddp's, validation loss at fixed wall-clock budgets (fractions of ddp's run), ledger wire bytes and
@@ -86,7 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="two-level topology: nodes joined by the shaped links, ranks of a node share an "
                         "unshaped bridge (must divide --world); 0 = one node per rank")
     p.add_argument("--contenders", default="all",
-                   help="comma-separated (see lowband.bench.link_contenders.CONTENDERS, or strategy:NAME); "
+                   help="comma-separated (see lowband.bench.link_contenders.CONTENDERS, or strategy:NAME), each "
+                        "optionally with config changes NAME/section.key=value/...; "
                         "all = every registered one; ddp is always run first (the target)")
     p.add_argument("--steps", type=int, default=40,
                    help="ddp's steps (its final val loss is the target); with --horizon flat, its most steps")
@@ -429,7 +432,7 @@ def launch(opts: dict[str, Any], stem: Path) -> dict[str, Any]:
 
     import torch
 
-    from lowband.bench.link_contenders import CONTENDERS
+    from lowband.bench.link_contenders import CONTENDERS, resolve
     from lowband.bench.link_rank import link_config
     from lowband.train.trainer import build_model
 
@@ -444,7 +447,9 @@ def launch(opts: dict[str, Any], stem: Path) -> dict[str, Any]:
               "time_cap": opts["time_cap"], "max_steps_factor": opts["max_steps_factor"],
               "budget_fractions": opts["budgets"], "diloco": dataclasses.asdict(cfg.diloco),
               "contenders": rank_spec(opts, nodes)["contenders"],
-              "notes": {n: s.note for n, s in CONTENDERS.items()}, "mtu": opts["mtu"], "runs": runs,
+              "notes": {**{n: s.note for n, s in CONTENDERS.items()},
+                        **{n: resolve(n).note for n in rank_spec(opts, nodes)["contenders"]}},
+              "mtu": opts["mtu"], "runs": runs,
               "clock": "training clock = sum of step times (evaluations excluded), mean over ranks; the first "
                        f"{opts['setup_steps']} steps are charged at the time of the step after them",
               "memory_method": "resident tensor bytes: params + grads + optimizer state (+ comm buffers)"}

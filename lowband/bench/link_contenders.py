@@ -255,8 +255,44 @@ for _delay in (0, 1):
                                      f"delay {_delay}"))
 
 
+VARIANT_SEP = "/"
+"""``NAME/section.key=value/...``: a registered contender (or ``strategy:NAME``) with config keys changed, e.g.
+``diloco-topk-rice-int2-ef95/diloco.topk_k=16/diloco.fragments=1`` (values: int, float, true/false or text)."""
+
+
+def _parse_value(text: str) -> Any:
+    if text in ("true", "false"):
+        return text == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _variant(base: LinkSpec, name: str, items: list[str]) -> LinkSpec:
+    extra: Overrides = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or "." not in key or not value:
+            raise ValueError(f"link suite: contender {name!r}: {item!r} is not section.key=value")
+        set_key(copy.deepcopy(Config()), key, _parse_value(value))  # raises naming a key the config lacks
+        extra[key] = _parse_value(value)
+
+    def ov(topo: LinkTopo) -> Overrides:
+        inherited = base.overrides(topo) if callable(base.overrides) else base.overrides
+        return {**inherited, **extra}
+    return dataclasses.replace(base, overrides=ov, in_all=False,
+                               note=f"{base.note}; {', '.join(f'{k} = {v!r}' for k, v in extra.items())}")
+
+
 def resolve(name: str) -> LinkSpec:
-    """A registered contender, or ``strategy:NAME`` for any trainer strategy with default settings."""
+    """A registered contender, or ``strategy:NAME`` for any trainer strategy with default settings, either one
+    optionally followed by ``/section.key=value`` changes (:data:`VARIANT_SEP`)."""
+    head, *items = name.split(VARIANT_SEP)
+    if items:
+        return _variant(resolve(head), name, items)
     if name in CONTENDERS:
         return CONTENDERS[name]
     if name.startswith("strategy:"):
@@ -265,4 +301,4 @@ def resolve(name: str) -> LinkSpec:
         get_strategy_class(name.removeprefix("strategy:"))  # raises ConfigError naming the allowed ones
         return LinkSpec(name.removeprefix("strategy:"), note="trainer strategy with default settings")
     raise ValueError(f"link suite: unknown contender {name!r}; allowed: {', '.join(CONTENDERS)} "
-                     "or strategy:<name>")
+                     "or strategy:<name>, each optionally followed by /section.key=value")

@@ -127,3 +127,26 @@ def test_registry_config_and_extension() -> None:
         assert contender_list("sharded-adamw,ddp-bf16-test") == ["ddp", "sharded-adamw", "ddp-bf16-test"]
     finally:
         del CONTENDERS["ddp-bf16-test"]
+
+
+def test_contender_variants_change_config_keys() -> None:
+    """``NAME/section.key=value/...``: the registered contender's overrides, then the listed keys (typed), named
+    only; a malformed item, an unknown key or an unknown base contender is refused by name."""
+    cfg = link_config({"steps": 8, "n_layer": 1, "n_embd": 32, "n_head": 2, "seq_len": 32, "vocab_size": 320,
+                       "bigram_rows": 64, "global_batch": 8, "lr": 1e-3, "warmup": 1, "diloco_sync_every": 4,
+                       "diloco_fragments": 2}, 2)
+    flat = LinkTopo(2, 2)
+    name = "diloco-rice40of4096-ef95-d1/diloco.topk_k=16/diloco.outer_lr=1.5/diloco.outer_nesterov=false"
+    spec = resolve(name)
+    d = spec.config(cfg, flat).diloco
+    assert (d.wire, d.topk_chunk, d.topk_k, d.ef_decay, d.delay) == ("topk-rice-int2", 4096, 16, 0.95, 1)
+    assert d.outer_lr == 1.5 and d.outer_nesterov is False and isinstance(d.topk_k, int)
+    assert not spec.in_all and spec.note.endswith("diloco.topk_k = 16, diloco.outer_lr = 1.5, "
+                                                  "diloco.outer_nesterov = False")
+    assert CONTENDERS["diloco-rice40of4096-ef95-d1"].config(cfg, flat).diloco.topk_k == 40  # base untouched
+    assert resolve("strategy:diloco/diloco.wire=int8").config(cfg, flat).diloco.wire == "int8"
+    assert contender_list(f"{name},sharded-adamw") == ["ddp", name, "sharded-adamw"]
+    for bad, match in ((f"ddp{'/'}x", "'x' is not section.key=value"), ("ddp/diloco.nope=1", "no such config key"),
+                       ("nope/diloco.topk_k=3", "unknown contender 'nope'"), ("ddp/diloco.topk_k=", "section.key")):
+        with pytest.raises(ValueError, match=match):
+            resolve(bad)
