@@ -59,7 +59,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lowband.comm import Comm
+from lowband.comm import Comm, all_finite
 from lowband.comm.codecs import DEFAULT_BLOCK_SIZE, check_wire, get_wire, is_lossless
 from lowband.comm.compress import DEFAULT_TOPK_CHUNK, DEFAULT_TOPK_K, default_error_feedback
 from lowband.diloco.fragments import Fragment, split_fragments
@@ -377,7 +377,7 @@ class StreamingDiLoCo:
             r = residual.to(device)
             flat.add_(r if self.ef_decay == 1.0 else r * self.ef_decay)  # (g + beta e): product, then sum
             new_residual = torch.empty_like(flat)
-        own_finite = bool(torch.isfinite(flat).all())
+        own_finite = all_finite(flat)
         handles = []
         for s, e in _bucket_bounds(flat.numel(), self.bucket_cap_elems[i], self.bucket_breaks[i]):
             if new_residual is None:  # memberships without error-feedback support keep working
@@ -400,7 +400,7 @@ class StreamingDiLoCo:
             raise RuntimeError(f"diloco: sync of fragment {i} without a matching prepare")
         self._wait_inflight()
         self._inflight = None
-        if not bool(torch.isfinite(inflight.flat).all()):  # the same bits on every replica: all raise
+        if not all_finite(inflight.flat):  # the same bits on every replica: all raise
             own = "finite" if inflight.own_finite else "NOT finite"
             raise FloatingPointError(
                 f"diloco: the averaged pseudo-gradient of fragment {i} ({self.frags[i].names[0]!r}...) has "

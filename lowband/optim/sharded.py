@@ -103,7 +103,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lowband.comm import Comm, CommHandle
+from lowband.comm import Comm, CommHandle, all_finite
 from lowband.comm.codecs import DEFAULT_BLOCK_SIZE, Codec, codec_reduce_scatter, get_codec, reduce_scatter_error
 from lowband.optim.adamw import adamw_update_, validate_adamw_hparams
 from lowband.optim.buckets import (
@@ -857,7 +857,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         levels, exp = self._local_levels()
         for unit in self._units:
             self._reduce(unit)
-        nonfinite = any(not bool(torch.isfinite(u.grad_shard).all()) for u in self._units)
+        nonfinite = any(not all_finite(u.grad_shard) for u in self._units)
         tail = [0, 0, int(nonfinite)]
         if exp is not None:
             if -127 <= exp <= 126:
