@@ -100,7 +100,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from lowband.comm import Comm, CommHandle
+from lowband.comm import Comm, CommHandle, finite_probe
 from lowband.comm.codecs import DEFAULT_BLOCK_SIZE, Codec, codec_all_reduce, codec_reduce_scatter, get_codec
 from lowband.comm.comm import true_div_
 from lowband.comm.opaque import opaque
@@ -434,7 +434,7 @@ class GTPRuntime:
             if scan is not None and scan[1] is g and scan[2] == g._version:
                 norm = scan[0]
             else:  # edited or zeroed since its finalize, or not reduced in this window
-                norm = torch.linalg.vector_norm(g, math.inf)
+                norm = finite_probe(g)
             idx.append(i)
             bad.append(~torch.isfinite(norm))  # before any cast: a finite float64 norm may overflow float32
         if idx:
@@ -836,7 +836,7 @@ class GTPRuntime:
             p.grad.add_(pend.out)
         if self.options.share_nonfinite and self.size > 1:
             g = p.grad  # scanned now, while later reduce-scatters are in flight (see share_nonfinite)
-            pend.gw._scan = (torch.linalg.vector_norm(g, math.inf), g, g._version)
+            pend.gw._scan = (finite_probe(g), g, g._version)
         self.cache.release(pend.wbuf)
         self.cache.release(pend.out)
         self._log("rs_finalize", "bwd", pend.gw)

@@ -60,6 +60,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lowband.comm import finite_probe
 from lowband.sharding import Split, cut_of, placement_of
 
 
@@ -131,7 +132,7 @@ def _share_nonfinite() -> None:
         mine = torch.zeros(len(params), dtype=torch.float32, device=device)
         idx = [i for i, p in enumerate(params) if p.grad is not None]
         if idx:
-            bad = [~torch.isfinite(torch.linalg.vector_norm(params[i].grad, math.inf)) for i in idx]
+            bad = [~torch.isfinite(finite_probe(params[i].grad)) for i in idx]
             mine[idx] = torch.stack(bad).to(device=device, dtype=torch.float32)
         anywhere = mine.clone()
         comm.all_reduce(anywhere, "max", tag="tp:nonfinite")

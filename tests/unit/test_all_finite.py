@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowband.comm import all_finite
+from lowband.comm import all_finite, finite_probe
 
 BAD = (float("inf"), -float("inf"), float("nan"))
 
@@ -26,12 +26,17 @@ def test_agrees_with_isfinite_on_every_case(dtype: torch.dtype) -> None:
         cases.append(torch.tensor([float("inf"), -float("inf")], dtype=dtype))  # the sum is NaN
         cases.append(torch.tensor([big, big, bad], dtype=dtype))  # overflow and a non-finite element
     for x in cases:
-        assert all_finite(x) == bool(torch.isfinite(x).all()), x
+        expected = bool(torch.isfinite(x).all())
+        assert all_finite(x) == expected, x
+        probe = finite_probe(x)  # no host sync: a 0-dim tensor that is finite exactly when x is
+        assert probe.dim() == 0 and bool(torch.isfinite(probe)) == expected, x
+        assert probe.item() == 0 or not expected  # 0 or NaN: cannot overflow
 
 
 def test_integer_and_bool_tensors_are_finite() -> None:
     assert all_finite(torch.arange(10)) and all_finite(torch.ones(3, dtype=torch.bool))
     assert all_finite(torch.tensor([2**62], dtype=torch.int64))
+    assert float(finite_probe(torch.tensor([2**62], dtype=torch.int64))) == 0.0
 
 
 def test_the_overflow_case_is_what_the_fallback_is_for() -> None:
