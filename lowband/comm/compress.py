@@ -226,7 +226,7 @@ class TopKCodec:
         xc[:m].copy_(x)
         xc = xc.view(nc, c)
         mag = xc.abs()
-        mag = torch.where(torch.isnan(mag), torch.full_like(mag, float("inf")), mag)  # non-finite first
+        mag = torch.nan_to_num(mag, nan=math.inf, posinf=math.inf)  # non-finite first
         idx = torch.topk(mag, self.k, dim=1, largest=True, sorted=False).indices
         idx = idx.sort(dim=1).values  # deterministic order of the offsets inside a chunk
         return idx, torch.gather(xc, 1, idx)
