@@ -39,7 +39,8 @@ Bytes per rank per step (ring model): reduce-scatter ``(N-1)/N * numel * grad_wi
 all-gather ``(N-1)/N * numel * param_wire_esize`` per unit: the same as one all-reduce in fp32, 0.75x
 of it with bf16 gradients, 0.5x with bf16 gradients and bf16 parameter gathers; plus the flags
 all-reduce, ``2(N-1)/N * F`` bytes for ``F`` = parameters in the optimizer (frozen ones included) + 3
-(none on one rank). Optional clipping adds one all-reduce of one scalar.
+(none on one rank). Optional clipping adds one all-reduce of one scalar, issued in flight together with the
+flags all-reduce (no round trip of its own; see :meth:`ShardedOptimizer.clip_grad_norm`).
 
 State layout per rank: AdamW ``exp_avg``/``exp_avg_sq`` of ``numel / N`` elements per bucket (the
 owned shard, accumulation dtype: fp32, or fp64 for fp64 parameters) plus ``steps``, one integer step
@@ -733,6 +734,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------- per-step checks (the flags)
     def _reset_used(self) -> None:
         self._checked = False
+        self._early_norm: torch.Tensor | None = None  # this step's global sum of squares, taken with the flags
         self._used_global: list[list[bool]] | None = None
         self._grad_exp: int | None = None  # the reduced shards were multiplied by 2**_grad_exp (GradScaler)
         self._found_inf = False  # some rank's reduced shard holds inf/NaN (this step; global)
@@ -837,7 +839,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return levels, exp
 
     @torch.no_grad()
-    def _sync_checks(self) -> None:
+    def _sync_checks(self, norm: bool = False) -> None:
         """The per-step agreement, once per step at the first of :meth:`clip_grad_norm` / :meth:`step`.
 
         Launches the units not launched yet, waits for every reduce-scatter (in unit order), then
@@ -850,7 +852,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         "a reduced shard holds inf/NaN". Raises ``ValueError`` on every rank alike (naming the first
         parameter in unit order) for levels 2 and 3, an unfrozen parameter, or ranks that scaled by
         different factors; multiplies the reduced shards by the agreed factor. On one rank the local
-        flags are the global ones: nothing is sent."""
+        flags are the global ones: nothing is sent.
+
+        ``norm=True`` (from :meth:`clip_grad_norm`): the owned shards' sum of squares is all-reduced
+        (``tag="grad_norm"``) in flight together with the flags, not one round trip after them; kept in
+        ``_early_norm`` unless the agreed GradScaler factor then changes the shards (the norm is taken again)."""
         if self._checked:
             return
         self._launch_remaining()
@@ -865,11 +871,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
             else:
                 levels = [[_LEVEL_GRAD_CHANGED if v == _LEVEL_USED else v for v in lv] for lv in levels]
         flat = [v for lv in levels for v in lv] + [int(p.requires_grad) for _n, p in self._excluded] + tail
+        early = self._local_norm_sq() if norm else None
         if self.comm.size > 1:
             buf = torch.tensor(flat, dtype=torch.uint8, device=self._flag_device())
-            self.comm.all_reduce(buf, "max", tag="grad_used")
+            flags = self.comm.all_reduce(buf, "max", async_op=True, tag="grad_used")
+            # the norm's all-reduce goes out right behind the flags', so both are in flight at once
+            summed = self.comm.all_reduce(early, "sum", async_op=True, tag="grad_norm") if early is not None else None
+            flags.wait()
+            if summed is not None:
+                summed.wait()
             flat = [int(v) for v in buf.tolist()]
+        elif early is not None:
+            self.comm.all_reduce(early, "sum", tag="grad_norm")  # one rank: a local record, as on N ranks
         self._checked = True
+        self._early_norm = early
         off, used, problem = 0, [], None
         for ui, unit in enumerate(self._units):
             lv = flat[off:off + len(unit.params)]
@@ -891,6 +906,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     f"{type(self).__name__}: p.grad was scaled by 2**{emin} on some ranks and 2**{emax} on others "
                     "after lowband reduced it; use one torch.amp.GradScaler per rank, stepped alike on every rank")
             self._grad_exp = emax
+            if emax != 0:
+                self._early_norm = None  # taken before the shards are unscaled
             for unit in self._units:
                 unit.grad_shard.mul_(2.0 ** emax)
         self._found_inf = bool(found)
@@ -993,21 +1010,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         Call after backward and before :meth:`step`. Waits for every reduce-scatter (launching any
         not yet launched), sums the squares of the owned shards, and all-reduces that one scalar
-        (``tag="grad_norm"``). Scales the shards by ``min(1, max_norm / (norm + 1e-6))`` as
-        ``torch.nn.utils.clip_grad_norm_`` does. ``max_norm=inf`` only measures.
+        (``tag="grad_norm"``); as the step's first call it issues that all-reduce together with the step's
+        flags all-reduce, so clipping adds no round trip of its own (with a GradScaler factor other than 1
+        agreed there, the unscaled shards' norm is all-reduced again after it). Scales the shards by
+        ``min(1, max_norm / (norm + 1e-6))`` as ``torch.nn.utils.clip_grad_norm_`` does. ``max_norm=inf``
+        only measures.
         """
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
             raise ValueError(f"clip_grad_norm: max_norm must be a positive number (got {max_norm!r})")
         self._wait_gathers()
-        self._sync_checks()
-        wide = any(u.grad_shard.dtype == torch.float64 for u in self._units)
-        acc = torch.float64 if wide else torch.float32
-        device = self._units[0].grad_shard.device if self._units else torch.device("cpu")
-        total = torch.zeros(1, dtype=acc, device=device)
-        for unit in self._units:
-            g = unit.grad_shard if unit.grad_shard.dtype == acc else unit.grad_shard.to(acc)
-            total += torch.dot(g, g)
-        self.comm.all_reduce(total, "sum", tag="grad_norm")
+        self._sync_checks(norm=True)
+        total, self._early_norm = self._early_norm, None  # valid once: clipping changes the shards
+        if total is None:
+            total = self._local_norm_sq()
+            self.comm.all_reduce(total, "sum", tag="grad_norm")
         norm = total.sqrt()[0]
         if math.isfinite(max_norm):
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -1016,6 +1032,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     unit.grad_shard.mul_(coef.to(unit.grad_shard.dtype))
         self.last_grad_norm = norm
         return norm
+
+    def _local_norm_sq(self) -> torch.Tensor:
+        """``[sum of squares of the owned shards]`` (float64 if any shard is, else float32), this rank's part."""
+        wide = any(u.grad_shard.dtype == torch.float64 for u in self._units)
+        acc = torch.float64 if wide else torch.float32
+        device = self._units[0].grad_shard.device if self._units else torch.device("cpu")
+        total = torch.zeros(1, dtype=acc, device=device)
+        for unit in self._units:
+            g = unit.grad_shard if unit.grad_shard.dtype == acc else unit.grad_shard.to(acc)
+            total += torch.dot(g, g)
+        return total
 
     # ---------------------------------------------------------------------------------- step
     @torch.no_grad()

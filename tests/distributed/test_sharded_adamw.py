@@ -150,6 +150,7 @@ def train_and_compare(cfg: dict) -> dict:
             "rs": [(r.tag, r.numel, r.wire_dtype, r.wire_bytes) for r in recs if r.op == "reduce_scatter"],
             "ag": [(r.tag, r.numel, r.wire_dtype, r.wire_bytes) for r in recs if r.op == "all_gather"],
             "ar": [(r.tag, r.numel, r.wire_bytes) for r in recs if r.op == "all_reduce"],
+            "ar_async": [r.async_op for r in recs if r.op == "all_reduce"],
             "other": [r.op for r in recs if r.op not in ("reduce_scatter", "all_gather", "all_reduce")],
         })
         ledger.mark_step()
@@ -233,7 +234,7 @@ def check_ledger(results: list[dict], dtype: str, wire: str | None, clip: bool,
                  param_wire: str | None = None) -> None:
     """One RS and one AG per unit per step, exact ring-model bytes; on N > 1 ranks one all-reduce of
     the uint8 used flags (``grad_used``, after the last RS completed, so before the norm); one
-    scalar all-reduce if clipping."""
+    scalar all-reduce if clipping, issued asynchronously right behind the flags' (no round trip of its own)."""
     pw = param_wire or dtype
     for res in results:
         n = res["world"]
@@ -263,6 +264,8 @@ def check_ledger(results: list[dict], dtype: str, wire: str | None, clip: bool,
             acc = 8 if dtype == "float64" else 4
             used = [("grad_used", N_USED_FLAGS, 2 * (n - 1) * N_USED_FLAGS // n)] if n > 1 else []
             assert st["ar"] == used + ([("grad_norm", 1, 2 * (n - 1) * acc // n)] if clip else [])
+            if n > 1 and clip:  # the norm's all-reduce is issued behind the flags', both in flight at once
+                assert st["ar_async"] == [True, True]
 
 
 def _expected_adamw_state_bytes(units: list, n: int, acc_bytes: int, never_used: list[int] = ()) -> int:
