@@ -28,7 +28,7 @@ from torch import nn
 from lowband.bench.dp import strategy_resident_bytes, strategy_step, tensor_bytes
 from lowband.bench.dp_torch import build_fsdp2, build_zero, fsdp2_wire_bytes, local_tensor, resident_bytes, torch_step
 from lowband.comm import ring_wire_bytes
-from lowband.train.config import Config
+from lowband.train.config import Config, override_value
 from lowband.train.env import DistEnv
 from lowband.train.trainer import build_model
 
@@ -257,18 +257,8 @@ for _delay in (0, 1):
 
 VARIANT_SEP = "/"
 """``NAME/section.key=value/...``: a registered contender (or ``strategy:NAME``) with config keys changed, e.g.
-``diloco-topk-rice-int2-ef95/diloco.topk_k=16/diloco.fragments=1`` (values: int, float, true/false or text)."""
-
-
-def _parse_value(text: str) -> Any:
-    if text in ("true", "false"):
-        return text == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
+``diloco-topk-rice-int2-ef95/diloco.topk_k=16/diloco.fragments=1`` (values parsed and checked against the field's
+type as the trainer's ``--section.key=value`` overrides are)."""
 
 
 def _variant(base: LinkSpec, name: str, items: list[str]) -> LinkSpec:
@@ -277,8 +267,7 @@ def _variant(base: LinkSpec, name: str, items: list[str]) -> LinkSpec:
         key, eq, value = item.partition("=")
         if not eq or "." not in key or not value:
             raise ValueError(f"link suite: contender {name!r}: {item!r} is not section.key=value")
-        set_key(copy.deepcopy(Config()), key, _parse_value(value))  # raises naming a key the config lacks
-        extra[key] = _parse_value(value)
+        extra[key] = override_value(key, value)  # raises naming an unknown key or a mistyped value
 
     def ov(topo: LinkTopo) -> Overrides:
         inherited = base.overrides(topo) if callable(base.overrides) else base.overrides

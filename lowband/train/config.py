@@ -410,6 +410,15 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
     return out
 
 
+def override_value(dotted: str, text: str) -> Any:
+    """The value ``--section.key=text`` sets, parsed and checked against the field's type as the CLI does
+    (``ConfigError`` naming an unknown key or a value of the wrong type); the config itself is not validated."""
+    section, key = dotted.split(".", 1)
+    cfg = Config()
+    _apply(cfg, section, key, text, from_cli=True)
+    return getattr(getattr(cfg, section), key)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Build a :class:`Config` from defaults, a TOML file and CLI overrides, then validate it."""
     cfg = Config()

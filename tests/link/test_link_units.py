@@ -146,7 +146,13 @@ def test_contender_variants_change_config_keys() -> None:
     assert CONTENDERS["diloco-rice40of4096-ef95-d1"].config(cfg, flat).diloco.topk_k == 40  # base untouched
     assert resolve("strategy:diloco/diloco.wire=int8").config(cfg, flat).diloco.wire == "int8"
     assert contender_list(f"{name},sharded-adamw") == ["ddp", name, "sharded-adamw"]
-    for bad, match in ((f"ddp{'/'}x", "'x' is not section.key=value"), ("ddp/diloco.nope=1", "no such config key"),
+    # typed as the trainer's CLI overrides: a float field gets a float, a list field a list
+    typed = resolve("diloco-topk-int2/diloco.outer_lr=2/sparse.tables=bigram").config(cfg, flat)
+    assert isinstance(typed.diloco.outer_lr, float) and typed.diloco.outer_lr == 2.0
+    assert typed.sparse.tables == ["bigram"]
+    for bad, match in ((f"ddp{'/'}x", "'x' is not section.key=value"),
+                       ("ddp/diloco.nope=1", "unknown config key 'diloco.nope'"),
+                       ("ddp/diloco.topk_k=abc", "diloco.topk_k: expected an integer"),
                        ("nope/diloco.topk_k=3", "unknown contender 'nope'"), ("ddp/diloco.topk_k=", "section.key")):
         with pytest.raises(ValueError, match=match):
             resolve(bad)
