@@ -734,7 +734,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------- per-step checks (the flags)
     def _reset_used(self) -> None:
         self._checked = False
-        self._early_norm: torch.Tensor | None = None  # this step's global sum of squares, taken with the flags
         self._used_global: list[list[bool]] | None = None
         self._grad_exp: int | None = None  # the reduced shards were multiplied by 2**_grad_exp (GradScaler)
         self._found_inf = False  # some rank's reduced shard holds inf/NaN (this step; global)
@@ -839,7 +838,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return levels, exp
 
     @torch.no_grad()
-    def _sync_checks(self, norm: bool = False) -> None:
+    def _sync_checks(self, norm: bool = False) -> torch.Tensor | None:
         """The per-step agreement, once per step at the first of :meth:`clip_grad_norm` / :meth:`step`.
 
         Launches the units not launched yet, waits for every reduce-scatter (in unit order), then
@@ -855,10 +854,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         flags are the global ones: nothing is sent.
 
         ``norm=True`` (from :meth:`clip_grad_norm`): the owned shards' sum of squares is all-reduced
-        (``tag="grad_norm"``) in flight together with the flags, not one round trip after them; kept in
-        ``_early_norm`` unless the agreed GradScaler factor then changes the shards (the norm is taken again)."""
+        (``tag="grad_norm"``) in flight together with the flags, not one round trip after them, and returned;
+        ``None`` when the checks had already run this step or the agreed GradScaler factor then changed the
+        shards (the caller takes the norm again)."""
         if self._checked:
-            return
+            return None
         self._launch_remaining()
         levels, exp = self._local_levels()
         for unit in self._units:
@@ -884,7 +884,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         elif early is not None:
             self.comm.all_reduce(early, "sum", tag="grad_norm")  # one rank: a local record, as on N ranks
         self._checked = True
-        self._early_norm = early
         off, used, problem = 0, [], None
         for ui, unit in enumerate(self._units):
             lv = flat[off:off + len(unit.params)]
@@ -907,11 +906,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     "after lowband reduced it; use one torch.amp.GradScaler per rank, stepped alike on every rank")
             self._grad_exp = emax
             if emax != 0:
-                self._early_norm = None  # taken before the shards are unscaled
+                early = None  # taken before the shards are unscaled
             for unit in self._units:
                 unit.grad_shard.mul_(2.0 ** emax)
         self._found_inf = bool(found)
         self._used_global = used
+        return early
 
     def _refuse_member(self, level: int, ui: int, mi: int) -> None:
         unit = self._units[ui]
@@ -1019,8 +1019,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
             raise ValueError(f"clip_grad_norm: max_norm must be a positive number (got {max_norm!r})")
         self._wait_gathers()
-        self._sync_checks(norm=True)
-        total, self._early_norm = self._early_norm, None  # valid once: clipping changes the shards
+        total = self._sync_checks(norm=True)
         if total is None:
             total = self._local_norm_sq()
             self.comm.all_reduce(total, "sum", tag="grad_norm")
