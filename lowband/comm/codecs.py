@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowband.comm.comm import Comm, CommHandle, true_div, true_div_
+from lowband.comm.comm import Comm, CommHandle, all_finite, true_div, true_div_
 from lowband.comm.compress import (
     DEFAULT_TOPK_CHUNK,
     DEFAULT_TOPK_K,
@@ -106,7 +106,7 @@ class Codec:
             raise ValueError(f"Codec {self.name}: row length {m} is not a multiple of block_size {b}")
         xb = x.to(torch.float32).reshape(rows, m // b, b)
         amax = xb.abs().amax(dim=2)
-        if not bool(torch.isfinite(xb).all()):  # keep a block's non-finite value visible in its scale
+        if not all_finite(xb):  # keep a block's non-finite value visible in its scale
             amax = torch.where(torch.isfinite(xb).all(dim=2), amax, torch.full_like(amax, float("nan")))
         scale = true_div(amax, self.qmax)  # true division on CUDA too (bitwise as on CPU)
         scale = torch.where(scale == 0, torch.ones_like(scale), scale)
