@@ -436,7 +436,8 @@ def launch(opts: dict[str, Any], stem: Path) -> dict[str, Any]:
     from lowband.bench.link_rank import link_config
     from lowband.train.trainer import build_model
 
-    cfg = link_config(rank_spec(opts, nodes), world)
+    spec = rank_spec(opts, nodes)
+    cfg = link_config(spec, world)
     params = sum(p.numel() for p in build_model(cfg, torch.device("cpu")).parameters())
     config = {"bandwidths": rates, "nodes": nodes, "topology": "flat (one node per rank)" if nodes == world
               else f"{nodes} nodes x {world // nodes} ranks (unshaped inside a node)",
@@ -446,9 +447,9 @@ def launch(opts: dict[str, Any], stem: Path) -> dict[str, Any]:
               "lr": opts["lr"], "warmup": opts["warmup"], "schedule": "constant after warmup",
               "time_cap": opts["time_cap"], "max_steps_factor": opts["max_steps_factor"],
               "budget_fractions": opts["budgets"], "diloco": dataclasses.asdict(cfg.diloco),
-              "contenders": rank_spec(opts, nodes)["contenders"],
+              "contenders": spec["contenders"],
               "notes": {**{n: s.note for n, s in CONTENDERS.items()},
-                        **{n: resolve(n).note for n in rank_spec(opts, nodes)["contenders"]}},
+                        **{n: resolve(n).note for n in spec["contenders"]}},
               "mtu": opts["mtu"], "runs": runs,
               "clock": "training clock = sum of step times (evaluations excluded), mean over ranks; the first "
                        f"{opts['setup_steps']} steps are charged at the time of the step after them",
