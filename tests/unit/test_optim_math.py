@@ -33,6 +33,44 @@ def test_adamw_kernel_equals_torch_adamw(dtype: torch.dtype, weight_decay: float
     assert torch.equal(v, opt.state[p_ref]["exp_avg_sq"])
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [7, 16, 64])
+def test_adamw_kernel_in_blocks_is_bitwise_torch_adamw(dtype: torch.dtype, block: int,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache-blocked path (a tensor larger than BLOCK_ELEMENTS, blocks ending at unaligned offsets and a short
+    last block) gives torch's single-tensor AdamW bit for bit; a non-contiguous tensor takes the one-pass path."""
+    from lowband.optim import adamw as adamw_mod
+
+    monkeypatch.setattr(adamw_mod, "BLOCK_ELEMENTS", block)
+    g = torch.Generator().manual_seed(3)
+    p_ref = torch.nn.Parameter(torch.randn(13, 11, generator=g).to(dtype))
+    opt = torch.optim.AdamW([p_ref], lr=3e-2, betas=(0.8, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
+    p = p_ref.detach().clone()
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    pt = p_ref.detach().clone().t()  # non-contiguous: one pass over the view
+    mt, vt = torch.zeros_like(p).t(), torch.zeros_like(p).t()
+    assert not pt.is_contiguous() and not mt.is_contiguous()
+    for step in range(1, 6):
+        grad = torch.randn(13, 11, generator=g).to(dtype)
+        p_ref.grad = grad.clone()
+        opt.step()
+        hp = dict(step=step, lr=3e-2, beta1=0.8, beta2=0.95, eps=1e-8, weight_decay=0.1)
+        adamw_update_(p, grad, m, v, **hp)
+        adamw_update_(pt, grad.t(), mt, vt, **hp)
+    for ours in ((p, m, v), (pt.t(), mt.t(), vt.t())):
+        assert torch.equal(ours[0], p_ref.detach())
+        assert torch.equal(ours[1], opt.state[p_ref]["exp_avg"])
+        assert torch.equal(ours[2], opt.state[p_ref]["exp_avg_sq"])
+
+
+def test_adamw_kernel_blocks_keep_shape_checks() -> None:
+    """A gradient of another shape with the same element count is refused as in one pass (never re-viewed)."""
+    p = torch.zeros(600, 300)
+    with pytest.raises(RuntimeError):
+        adamw_update_(p, torch.ones(300, 600), torch.zeros_like(p), torch.zeros_like(p), step=1, lr=1e-3,
+                      beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0)
+
+
 def test_adamw_kernel_rejects_step_zero() -> None:
     z = torch.zeros(3)
     with pytest.raises(ValueError, match="step"):
