@@ -32,8 +32,14 @@ Communication pattern (per step, per unit, N = data-parallel world size; see
    ``step()``. ``param_gather="forward"`` (needs ``module=``) returns from ``step()`` with the gathers
    in flight and waits per unit in a forward pre-hook of each module that owns a member directly,
    i.e. just before first use; the next ``step()``, ``state_dict()`` and :meth:`wait_for_params`
-   also wait. (A parameter used functionally by another module than its owner is not covered by
-   the hooks; use ``"step"`` for such models.)
+   also wait. A parameter read outside the forward of a module that owns it (``self.wpe.weight[:T]``,
+   another module's weight passed to ``F.linear``) is spotted in backward, when it gets a gradient and
+   none of its owners ran: its unit is then waited for by a pre-hook of ``module`` itself, at the start
+   of every forward. Reads of that kind present from the first step are learned there (nothing is in
+   flight then) and are exact; one that first appears while its all-gather is in flight is refused by
+   the next ``step()`` on every rank (its gradients may come from half-gathered values). Not seen: a
+   parameter read that way before its own module runs in the same forward, or read only under
+   ``no_grad``; use ``"step"`` for such models.
 
 Bytes per rank per step (ring model): reduce-scatter ``(N-1)/N * numel * grad_wire_esize`` plus
 all-gather ``(N-1)/N * numel * param_wire_esize`` per unit: the same as one all-reduce in fp32, 0.75x
@@ -131,7 +137,7 @@ EXCHANGES = {"ring": "sharded", "p2p": "sharded-p2p"}
 """``exchange=`` choices and the private ``Comm`` purpose each runs on (``lowband.comm.comm.RING_PURPOSES``)."""
 INIT_SYNC = (True, False, "verify")
 _PROBE = 64  # elements of each gradient compared at step() to spot GradScaler's unscale (see _probe_scale)
-_LEVEL_USED, _LEVEL_GRAD_CHANGED, _LEVEL_STORAGE = 1, 2, 3  # per-member flag levels (MAX-reduced)
+_LEVEL_USED, _LEVEL_GRAD_CHANGED, _LEVEL_STORAGE, _LEVEL_READ_IN_FLIGHT = 1, 2, 3, 4  # per-member flag levels (MAX)
 LR_RATIO_RTOL = 1e-6  # a schedule multiplies every lr by one factor: ratios agree to rounding (~1e-16)
 GRAD_WIRE_DTYPES = (None, torch.float32, torch.bfloat16)
 GRAD_CODECS = ("fp8", "int8")  # grad_wire_dtype names sent block-scaled (lowband.comm.codecs)
@@ -434,6 +440,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._gather_order = self._forward_order(module)
         self._gathers: dict[int, CommHandle] = {}
         self._hooks: list[Any] = []
+        # param_gather="forward": which parameters a forward read outside their own module (see _note_read)
+        self._track_reads = module is not None and param_gather == "forward"
+        self._root_waits: set[int] = set()  # units read outside their owners: waited when `module`'s forward starts
+        self._owner_called: set[int] = set()  # ids of parameters whose owning module's pre-hook ran since step()
+        self._inflight_at_forward: set[int] = set()  # units in flight when a forward of `module` started
+        self._read_in_flight: set[int] = set()  # ids of parameters a forward may have read mid-gather
         in_units = {id(p) for u in self._units for p in u.params}
         named = self._named_state(module, all_params, self.param_groups)[:len(all_params)]
         self._names = [name for name, _p in named]  # by flat parameter index, for error messages
@@ -448,9 +460,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if module is not None and param_gather == "forward":
             owner = {id(p): ui for ui, u in enumerate(self._units) for p in u.params}
             for mod in module.modules():
-                uis = sorted({owner[id(p)] for p in mod.parameters(recurse=False) if id(p) in owner})
+                ids = [id(p) for p in mod.parameters(recurse=False) if id(p) in owner]
+                uis = sorted({owner[i] for i in ids})
                 if uis:
-                    self._hooks.append(mod.register_forward_pre_hook(self._make_forward_hook(uis)))
+                    self._hooks.append(mod.register_forward_pre_hook(self._make_forward_hook(uis, ids)))
+            self._hooks.append(module.register_forward_pre_hook(self._make_root_hook(), prepend=True))
         self._constructed = True
 
     def _forward_order(self, module: nn.Module | None) -> list[int]:
@@ -628,19 +642,55 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         def hook(p: torch.Tensor) -> None:
             opt = ref()
-            if opt is None or not opt.require_backward_grad_sync:
+            if opt is None:
                 return
-            opt._on_grad_ready(ui, mi, p)
+            if opt._track_reads:
+                opt._note_read(ui, p)
+            if opt.require_backward_grad_sync:
+                opt._on_grad_ready(ui, mi, p)
         return hook
 
-    def _make_forward_hook(self, uis: list[int]):
+    def _make_forward_hook(self, uis: list[int], ids: list[int]):
         ref = weakref.ref(self)
 
         def hook(_module: nn.Module, _args: Any) -> None:
             opt = ref()
             if opt is not None:
+                opt._owner_called.update(ids)
                 opt._wait_gathers(uis)
         return hook
+
+    def _make_root_hook(self):
+        """Forward pre-hook of ``module`` (runs first): note the units in flight as a forward starts, and wait
+        for the units learned to be read outside their own modules (:meth:`_note_read`)."""
+        ref = weakref.ref(self)
+
+        def hook(_module: nn.Module, _args: Any) -> None:
+            opt = ref()
+            if opt is not None:
+                opt._inflight_at_forward.update(opt._gathers)
+                opt._wait_gathers(sorted(opt._root_waits))
+        return hook
+
+    def _note_read(self, ui: int, p: torch.Tensor) -> None:
+        """``param_gather="forward"``, in backward: ``p`` got a gradient. If no module owning ``p`` directly ran
+        its forward since the last :meth:`step` (``p`` was read functionally: ``self.wpe.weight[:T]``, a weight
+        used by another module), its unit is waited from now on when ``module``'s forward starts; if the unit's
+        all-gather was in flight when this forward started (and was not such a learned wait), or is still in
+        flight now, the forward may have read half-gathered values, and the next :meth:`step` refuses on every
+        rank (level ``_LEVEL_READ_IN_FLIGHT``). A model that reads the same parameters this way every step is
+        learned at its first step, when nothing is in flight, and is exact from then on."""
+        if id(p) in self._owner_called:
+            return
+        if ui in self._gathers or (ui in self._inflight_at_forward and ui not in self._root_waits):
+            self._read_in_flight.add(id(p))
+        self._root_waits.add(ui)
+
+    def _reset_reads(self) -> None:
+        """Start the next step's read tracking (at the end of :meth:`step` and at a refusal)."""
+        self._owner_called.clear()
+        self._inflight_at_forward.clear()
+        self._read_in_flight.clear()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -803,7 +853,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _local_levels(self) -> tuple[list[list[int]], int | None]:
         """Per unit member: 0 no gradient, 1 used, 2 ``p.grad`` changed after it was copied (other than
         by one power-of-two factor common to every member: GradScaler's unscale), 3 the parameter's
-        dtype/shape/device no longer fits its buffer; plus the common exponent, if any."""
+        dtype/shape/device no longer fits its buffer, 4 a forward may have read it mid-gather
+        (:meth:`_note_read`); plus the common exponent, if any."""
         levels: list[list[int]] = []
         exp: int | None = None
         scaled: list[tuple[int, int]] = []
@@ -811,7 +862,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             lay, lv = unit.layout, []
             for mi, p in enumerate(unit.params):
                 m, g, ref = lay.members[mi], p.grad, unit.grad_ref[mi]
-                if unit.bad[mi] or p.dtype != lay.dtype or tuple(p.shape) != m.shape or p.device != lay.device:
+                if id(p) in self._read_in_flight:
+                    lv.append(_LEVEL_READ_IN_FLIGHT)
+                elif unit.bad[mi] or p.dtype != lay.dtype or tuple(p.shape) != m.shape or p.device != lay.device:
                     lv.append(_LEVEL_STORAGE)
                 elif ref is None:
                     lv.append(_LEVEL_USED if (unit.copied[mi] or g is not None) else 0)
@@ -844,12 +897,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Launches the units not launched yet, waits for every reduce-scatter (in unit order), then
         all-reduces (MAX, ``tag="grad_used"``, one synchronous collective, issued at the same place on
         every rank) a ``uint8`` vector: per unit member its level (0 no gradient, 1 used, 2 ``p.grad``
-        changed after lowband copied it, 3 storage left the flat buffer with another dtype/shape),
+        changed after lowband copied it, 3 storage left the flat buffer with another dtype/shape, 4 read by a
+        forward mid-gather),
         one "unfrozen since construction" flag per parameter left out of the units, then three bytes:
         the power-of-two factor GradScaler's ``unscale_`` applied to every ``p.grad`` (its exponent + 128
         and 127 - exponent, so MAX gives both the largest and the smallest over ranks; 0 = none), and
         "a reduced shard holds inf/NaN". Raises ``ValueError`` on every rank alike (naming the first
-        parameter in unit order) for levels 2 and 3, an unfrozen parameter, or ranks that scaled by
+        parameter in unit order) for levels 2, 3 and 4, an unfrozen parameter, or ranks that scaled by
         different factors; multiplies the reduced shards by the agreed factor. On one rank the local
         flags are the global ones: nothing is sent.
 
@@ -919,6 +973,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         name = self._names[lay.members[mi].index]
         cls = type(self).__name__
         self._reset_step()
+        self._reset_reads()
+        if level == _LEVEL_READ_IN_FLIGHT:
+            raise ValueError(
+                f"{cls}: parameter {name} was read by a forward while its parameter all-gather "
+                "(param_gather='forward') was in flight, on at least one rank: it is read outside the forward of "
+                "the module that owns it (e.g. self.wpe.weight[:T], or passed to F.linear), which earlier steps did "
+                "not do. This step's gradients may come from half-gathered values, so the step is refused; from "
+                "now on the parameter is waited for when the model's forward starts. Use param_gather='step' for "
+                "models that change which parameters they read outside their modules")
         if level == _LEVEL_STORAGE:
             raise ValueError(
                 f"{cls}: parameter {name} is now {p.dtype} {tuple(p.shape)} on {p.device}, but the optimizer was "
@@ -1068,6 +1131,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._sync_checks()  # refusals happen here, before any update, on every rank alike
         if grad_scaler is not None and self._apply_scaler(grad_scaler):
             self._reset_step()  # inf/NaN somewhere: skipped on every rank (parameters and state unchanged)
+            self._reset_reads()
             return loss
         if self._residuals:
             self._commit_residuals()
@@ -1087,6 +1151,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.param_gather == "step":
             self._wait_gathers()
         self._reset_step()
+        self._reset_reads()
         return loss
 
     @torch.no_grad()
