@@ -9,6 +9,7 @@ optimizers' own state layouts live beside them in :mod:`lowband.optim`). Imports
 from lowband.parallel.clip import clip_grad_norm_, global_grad_norm
 from lowband.parallel.gtp import (
     GTPCollectiveError,
+    GTPDirectReadError,
     GTPEmbedding,
     GTPLinear,
     GTPOptions,
@@ -33,7 +34,8 @@ from lowband.parallel.tp_grads import TPGradEditError
 from lowband.parallel.tp_shard import shard_tp
 from lowband.parallel.unshard import unsharded_copy
 
-__all__ = ["ColumnParallelLinear", "GTPCollectiveError", "GTPEmbedding", "GTPLinear", "GTPOptions", "GTPRuntime",
+__all__ = ["ColumnParallelLinear", "GTPCollectiveError", "GTPDirectReadError", "GTPEmbedding", "GTPLinear",
+           "GTPOptions", "GTPRuntime",
            "GTPStateError", "MeshShape", "ParallelMesh", "RowParallelLinear", "TPCollectiveError", "TPGradEditError",
            "TPInputGather", "TPStateError",
            "build_mesh", "check_module_state", "clip_grad_norm_", "global_grad_norm", "mark_partition",

@@ -128,6 +128,11 @@ class GTPCollectiveError(RuntimeError):
     """A GTP weight gather failed, typically because not every rank of the GTP group ran the forward."""
 
 
+class GTPDirectReadError(ValueError):
+    """A GTP shard was read outside its layer's forward (``module.weight[:T]``, ``F.linear(x, module.weight)``):
+    that forward saw this rank's rows only. Raised at the end of the backward, on every rank of the group."""
+
+
 class GTPStateError(RuntimeError):
     """``state_dict()`` / ``load_state_dict()`` of a GTP module outside :meth:`GTPRuntime.local_state`.
 
@@ -242,6 +247,9 @@ class GTPWeight:
         self.bwd_pending: _Gather | None = None
         self.needs_bwd_gather = True
         self.used = False  # consumed by a grad-enabled forward since the last sync_replicated_grads
+        # autograd accumulated a gradient into the shard itself: the shard was read outside the GTP layer
+        # (module.weight[:T], F.linear(x, module.weight)); see GTPRuntime._check_direct_reads
+        self.read_direct = False
         self._wire_key: tuple[int, int] | None = None
         self._wire_src: torch.Tensor | None = None
         # (inf-norm of .grad, that .grad, its version) taken when a reduce-scatter was finalized into it
@@ -393,19 +401,24 @@ class GTPRuntime:
         try:
             codec = self._grad_codec  # every gradient GTP sends takes the wire of options.grad_wire_dtype
             wire = None if codec is not None else self.options.grad_wire_dtype
+            direct = [gw.read_direct for gw in weights]
             res = _reduce_grads(self.comm, params, op, tag="gtp:replicated", wire_dtype=wire,  # type: ignore[arg-type]
-                                extra_flags=[gw.used for gw in weights], extra_tensor=local, codec=codec)
+                                extra_flags=[gw.used for gw in weights] + direct, extra_tensor=local,
+                                codec=codec)
         except RuntimeError as e:
             raise GTPCollectiveError(
                 f"GTP: the all-reduce of the replicated gradients over group {self.comm.name!r} (size "
                 f"{self.size}) failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}. Every rank "
                 "of the GTP group must run the same forwards and backwards of a GTP model, using the same "
                 "GTP layers") from e
-        if res is None:
-            return  # no trainable replicated parameter and no flags to share: nothing sent
-        mixed, anywhere = res
+        if res is None:  # no trainable replicated parameter and no flags to share: nothing sent
+            self._check_direct_reads(direct)
+            return
+        mixed, anywhere, set_anywhere = res
         for gw in weights:
             gw.used = False
+        self._check_direct_reads(set_anywhere[len(weights):])
+        mixed = mixed[:len(weights)]
         if any(mixed):
             names = [gw.name for gw, m in zip(weights, mixed, strict=True) if m]
             raise GTPCollectiveError(
@@ -416,6 +429,21 @@ class GTPRuntime:
                 "replicated (shard_linears(..., include=...)) or run every GTP layer on every rank")
         if local is not None and any(anywhere):
             self.share_nonfinite(anywhere, local)
+
+    def _check_direct_reads(self, flags: list[bool]) -> None:
+        """Raise :class:`GTPDirectReadError` naming the GTP weights flagged in ``flags`` (one per weight: this
+        rank's own, or agreed over the group by :meth:`_reduce_replicated`); clear every weight's flag."""
+        for gw in self.weights:
+            gw.read_direct = False
+        names = [gw.name for gw, f in zip(self.weights, flags, strict=True) if f]
+        if names:
+            raise GTPDirectReadError(
+                f"GTP: weights {names} were read outside their GTP layer's forward in this step (e.g. "
+                "module.weight[:T], or module.weight passed to F.linear), on at least one rank of group "
+                f"{self.comm.name!r} (size {self.size}): there the parameter holds only this rank's rows of the "
+                "weight, so that forward used the wrong values. Call the layer itself, or keep the weight "
+                "replicated (shard_linears / shard_embeddings(..., include=...), or leave it out of the plan's "
+                "parallel layers)")
 
     @torch.no_grad()
     def _nonfinite_local(self) -> torch.Tensor:
@@ -584,6 +612,8 @@ class GTPRuntime:
         else:
             param = nn.Parameter(shard, requires_grad=full_weight.requires_grad)
         gw = GTPWeight(self, len(self.weights), name, param, out, inp, padded_out)
+        if param.requires_grad:
+            param.register_hook(_direct_read_hook(gw))
         param.gtp = gw  # GTP's own per-weight state (gather chain, buffers); the layout is the placement:
         place(param, Placement((out, inp), (Split("gtp", 0, self.size, self.rank, pad=padded_out - out,
                                                   group=self.comm),), name=name))
@@ -874,6 +904,8 @@ class GTPRuntime:
         self.end_pass()
         if self._models and not self._no_sync_depth:
             self._reduce_replicated(self.attached_replicated())
+        elif not self._models:  # no end-of-backward all-reduce to carry the flags: refuse on this rank's own
+            self._check_direct_reads([gw.read_direct for gw in self.weights])
         self.record_grads()
         for fn in self._post_drain_hooks:
             fn()
@@ -901,6 +933,22 @@ def _queue_hook(runtime: GTPRuntime) -> Callable[[torch.Tensor], None]:
         rt = ref()
         if rt is not None:
             rt._queue_end()
+
+    return hook
+
+
+def _direct_read_hook(gw: GTPWeight) -> Callable[[torch.Tensor | None], None]:
+    """Gradient hook of a GTP shard (called with the gradient autograd is about to accumulate into it). GTP's
+    own autograd functions return no gradient for the shard (the hook sees ``None``; the reduce-scattered
+    gradient is added into ``.grad`` by the runtime), so a gradient here means a forward used the shard tensor
+    itself: flag it, to be refused at the end of this backward."""
+    ref = weakref.ref(gw)
+
+    def hook(grad: torch.Tensor | None) -> None:
+        w = ref()
+        if w is not None and grad is not None:
+            w.read_direct = True
+            w.runtime._queue_end()
 
     return hook
 
@@ -1465,15 +1513,16 @@ def reduce_grads(comm: Comm, params: Iterable[torch.Tensor], op: str = "avg", *,
 def _reduce_grads(comm: Comm, params: Iterable[torch.Tensor], op: str, *, tag: str,
                   wire_dtype: torch.dtype | None, extra_flags: list[bool] | None = None,
                   extra_tensor: torch.Tensor | None = None,
-                  codec: Codec | None = None) -> tuple[list[bool], list[bool]] | None:
+                  codec: Codec | None = None) -> tuple[list[bool], list[bool], list[bool]] | None:
     """:func:`reduce_grads`; ``extra_flags`` (one bool per item, this rank's) and ``extra_tensor`` (a 1-D
     tensor of 0/1 flags, this rank's, left on its device: no host sync before the collective) travel
     in the first dtype's all-reduce too. With no trainable parameter, an ``extra_tensor`` still travels
     (with ``extra_flags``) in an all-reduce of the flags alone (float32); without one nothing is sent.
     With a ``codec`` (block-scaled, see :func:`reduce_grads`) the gradients go through
     :func:`~lowband.comm.codecs.codec_all_reduce` and every flag through an exact float32 all-reduce of its own.
-    Returns ``(mixed, anywhere)``: per extra flag whether it was set on some ranks but not all, and per
-    element of ``extra_tensor`` whether it was set on any rank; or ``None`` if no all-reduce ran."""
+    Returns ``(mixed, anywhere, set_anywhere)``: per extra flag whether it was set on some ranks but not all,
+    per element of ``extra_tensor`` whether it was set on any rank, and per extra flag whether it was set on any
+    rank; or ``None`` if no all-reduce ran."""
     params = [p for p in params if p.requires_grad]
     if not params and extra_tensor is None:
         return None
@@ -1481,6 +1530,7 @@ def _reduce_grads(comm: Comm, params: Iterable[torch.Tensor], op: str, *, tag: s
     n_tensor = 0 if extra_tensor is None else extra_tensor.numel()
     mixed: list[bool] = []
     anywhere: list[bool] = []
+    set_anywhere: list[bool] = []
     for di, dtype in enumerate(dtypes):
         group = [p for p in params if p.dtype == dtype]
         first = di == 0
@@ -1523,6 +1573,7 @@ def _reduce_grads(comm: Comm, params: Iterable[torch.Tensor], op: str, *, tag: s
         used = [g != 0.0 for g in got[: len(group)]]
         if first:
             mixed = [g != 0.0 and g != full for g in got[len(group):len(flags)]]
+            set_anywhere = [g != 0.0 for g in got[len(group):len(flags)]]
             anywhere = [g != 0.0 for g in got[len(flags):]]
         off = 0
         for p, u in zip(group, used, strict=True):
@@ -1535,7 +1586,7 @@ def _reduce_grads(comm: Comm, params: Iterable[torch.Tensor], op: str, *, tag: s
                     p.grad.copy_(g)
             off += n
     note_grads(params)
-    return mixed, anywhere
+    return mixed, anywhere, set_anywhere
 
 
 def sync_replicated_grads(runtime: GTPRuntime, model: nn.Module) -> None:

@@ -25,6 +25,7 @@ from lowband.parallel.gtp import (
     bound_live_unsharded_bytes,
     reduce_grads,
     replicated_params,
+    shard_embeddings,
     shard_linears,
     sync_replicated_grads,
 )
@@ -735,8 +736,9 @@ def _nonfinite_ledger(share: bool, bias: bool) -> dict:
 def test_nonfinite_flags_cost_one_element_per_weight(bias: bool) -> None:
     """share_nonfinite adds L elements (one per GTP weight) to the replicated-gradient all-reduce and no
     collective, and shows rank 0's inf (from rank 1's data, in a row rank 0 owns) on rank 1's shard of
-    the same weight only. Without replicated parameters (bias=False) the flags travel in one
-    all-reduce of their own (2L float32: the used flags, then these), which share_nonfinite=False skips."""
+    the same weight only. The all-reduce also carries 2L flags that are always there (the used flags, then the
+    read-outside-the-layer flags). Without replicated parameters (bias=False) the flags travel in one
+    all-reduce of their own (3L float32), which share_nonfinite=False skips."""
     on = run_ranks(_nonfinite_ledger, 2, True, bias)
     off = run_ranks(_nonfinite_ledger, 2, False, bias)
     L, rep = on[0]["L"], on[0]["replicated"]
@@ -746,7 +748,7 @@ def test_nonfinite_flags_cost_one_element_per_weight(bias: bool) -> None:
         assert [r for r in a if r[1] != "gtp:replicated"] == [r for r in b if r[1] != "gtp:replicated"]
         rep_on = [r for r in a if r[1] == "gtp:replicated"]
         rep_off = [r for r in b if r[1] == "gtp:replicated"]
-        numel = rep + n_rep + 2 * L
+        numel = rep + n_rep + 3 * L
         esize = 8 if bias else 4
         assert rep_on == [("all_reduce", "gtp:replicated", numel, ring_wire_bytes("all_reduce", 2, numel * esize))]
         assert rep_off == ([("all_reduce", "gtp:replicated", numel - L,
@@ -756,3 +758,60 @@ def test_nonfinite_flags_cost_one_element_per_weight(bias: bool) -> None:
     assert [r[1]["nonfinite"] for r in on] == [[last], [last]]
     assert [r[1]["nonfinite"] for r in off] == [[last], []]  # only the owner of row 0 sees it
     assert all(r[0]["nonfinite"] == [] for r in on + off)
+
+
+class _ReadsOutside(nn.Module):
+    """``tok`` is called; ``wpe.weight`` is indexed and ``head.weight`` passed to ``F.linear`` (both never called)
+    from step ``direct_from`` on; before that ``wpe`` and ``head`` are called as layers. The shapes fit a shard
+    at 2 and 4 ranks (4 positions of 16 rows), so nothing fails by shape: only the values are wrong."""
+
+    def __init__(self, direct_from: int) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.tok = nn.Embedding(16, 8)
+        self.wpe = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.direct_from = direct_from
+        self.step_no = 0
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        if self.step_no >= self.direct_from:
+            return F.linear(self.tok(idx) + self.wpe.weight[:t], self.head.weight).pow(2).mean()
+        return self.head(self.tok(idx) + self.wpe(torch.arange(t))).pow(2).mean()
+
+
+def _direct_reads(direct_from: int, bias_free: bool) -> dict:
+    from lowband.comm import Comm
+    from lowband.parallel import GTPDirectReadError
+
+    model = _ReadsOutside(direct_from)
+    rt = GTPRuntime(Comm(name="gtp"), share_nonfinite=not bias_free)
+    shard_embeddings(model, rt)
+    shard_linears(model, rt)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    out: dict = {"error": None, "steps": 0}
+    for step in range(3):
+        model.step_no = step
+        try:
+            model(torch.randint(0, 16, (2, 4), generator=g)).backward()
+        except GTPDirectReadError as e:
+            out["error"] = (step, str(e))
+            break
+        for p in model.parameters():
+            p.grad = None
+        out["steps"] += 1
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("bias_free", [False, True])
+def test_a_weight_read_outside_its_layer_is_refused_on_every_rank(world: int, bias_free: bool) -> None:
+    """There the parameter holds this rank's rows only: backward raises GTPDirectReadError on every rank, naming
+    exactly the weights read that way (the one that was called is not named). bias_free: no replicated parameter
+    and share_nonfinite=False, so no flags all-reduce runs and each rank refuses on its own flags."""
+    for r in run_ranks(_direct_reads, world, 1, bias_free):
+        assert r["steps"] == 1  # step 0 called every layer: no refusal
+        step, msg = r["error"]
+        assert step == 1
+        assert "['wpe', 'head']" in msg and "'tok'" not in msg and "outside their GTP layer" in msg

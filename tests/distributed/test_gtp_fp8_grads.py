@@ -164,7 +164,8 @@ def test_replicated_gradients_take_the_block_scaled_wire(world: int, name: str) 
     chunk = chunk_layout(numel, world, codec)
     per = (world - 1) * codec.encoded_nbytes(chunk)
     enc = world * codec.encoded_nbytes(chunk)  # the records count the encoded bytes of the N chunks
-    n_flags = len(order) + 2  # one used flag per replicated parameter, then the GTP weight's used and non-finite flags
+    # one used flag per replicated parameter, then the GTP weight's used, read-outside-its-layer and non-finite flags
+    n_flags = len(order) + 3
     assert res[0]["recs"] == [
         ("all_reduce", "gtp:replicated:flags", n_flags, ring_wire_bytes("all_reduce", world, 4 * n_flags)),
         ("all_to_all", "gtp:replicated", enc, per), ("all_gather", "gtp:replicated", enc, per)]

@@ -267,10 +267,11 @@ def test_gtp_frozen_and_unused_params_follow_torch(world: int, prefetch: bool) -
         speculative = 1 if (prefetch and step % 2 == 1) else 0
         assert len(ag_f) == len(used) + speculative, step
         # one replicated all-reduce: grads + one used flag per replicated param + one per GTP weight
-        # + one non-finite flag per GTP weight (GTPOptions.share_nonfinite)
+        # + one read-outside-its-layer flag per GTP weight + one non-finite flag per GTP weight
+        # (GTPOptions.share_nonfinite)
         rep = [x for x in recs if x[1] == "gtp:replicated"]
         rep_numel = 8 + 8 + 3 + 8  # inp, branch, head biases, gain (mid.bias frozen: left out)
-        assert [x[:3] for x in rep] == [("all_reduce", "gtp:replicated", rep_numel + 4 + 4 + 4)], step
+        assert [x[:3] for x in rep] == [("all_reduce", "gtp:replicated", rep_numel + 4 + 4 + 4 + 4)], step
     for r in res[1:]:
         assert [[x[:3] for x in s] for s in r["records"]] == [[x[:3] for x in s] for s in res[0]["records"]]
 
