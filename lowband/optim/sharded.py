@@ -440,8 +440,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._gather_order = self._forward_order(module)
         self._gathers: dict[int, CommHandle] = {}
         self._hooks: list[Any] = []
-        # param_gather="forward": which parameters a forward read outside their own module (see _note_read)
-        self._track_reads = module is not None and param_gather == "forward"
+        # param_gather="forward": which parameters a forward read outside their own module (see _note_read); on
+        # one rank every "gather" is a local copy done before step() returns, so nothing is ever read mid-gather
+        self._track_reads = module is not None and param_gather == "forward" and self.comm.size > 1
         self._root_waits: set[int] = set()  # units read outside their owners: waited when `module`'s forward starts
         self._owner_called: set[int] = set()  # ids of parameters whose owning module's pre-hook ran since step()
         self._inflight_at_forward: set[int] = set()  # units in flight when a forward of `module` started
