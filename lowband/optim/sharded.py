@@ -37,9 +37,12 @@ Communication pattern (per step, per unit, N = data-parallel world size; see
    none of its owners ran: its unit is then waited for by a pre-hook of ``module`` itself, at the start
    of every forward. Reads of that kind present from the first step are learned there (nothing is in
    flight then) and are exact; one that first appears while its all-gather is in flight is refused by
-   the next ``step()`` on every rank (its gradients may come from half-gathered values). Not seen: a
-   parameter read that way before its own module runs in the same forward, or read only under
-   ``no_grad``; use ``"step"`` for such models.
+   the next ``step()`` on every rank (its gradients may come from half-gathered values). A parameter
+   read before its own module runs in the same forward: each wait of an in-flight gather bumps its
+   parameters' autograd versions, so where autograd saved the read (``F.linear`` of an input that needs
+   a gradient) backward fails autograd's "modified by an inplace operation" check. Not seen: such a
+   read that autograd does not save (an addition), or reads under ``no_grad`` only; use ``"step"`` for
+   such models.
 
 Bytes per rank per step (ring model): reduce-scatter ``(N-1)/N * numel * grad_wire_esize`` plus
 all-gather ``(N-1)/N * numel * param_wire_esize`` per unit: the same as one all-reduce in fp32, 0.75x
@@ -1018,6 +1021,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         keys = list(self._gathers) if uis is None else [u for u in uis if u in self._gathers]
         for ui in keys:
             self._gathers.pop(ui).wait()
+            if self._track_reads:
+                # the gather wrote these parameters: a tensor autograd saved from them before this wait (a read
+                # before their own module ran) now fails autograd's version check in backward instead of
+                # giving a gradient of half-gathered values
+                torch.autograd.graph.increment_version(self._units[ui].params)
 
     def wait_for_params(self) -> None:
         """Wait for every in-flight parameter all-gather (``param_gather="forward"`` mode).

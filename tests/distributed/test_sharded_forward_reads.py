@@ -119,3 +119,49 @@ def test_a_new_read_outside_the_owner_mid_gather_is_refused_on_every_rank(world:
         step, msg = r["forward_error"]
         assert step == 2, r["forward_error"]
         assert "extra.weight" in msg and "param_gather='step'" in msg and "in flight" in msg
+
+
+class ReadBeforeOwner(nn.Module):
+    """``l1.weight`` goes through ``F.linear`` (of an input that needs a gradient, so autograd saves the weight)
+    before ``l1`` itself runs in the same forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.l1 = nn.Linear(DIM, DIM)
+        self.l2 = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.l2(x))
+        early = F.linear(h, self.l1.weight)
+        return (self.l1(h) + early).pow(2).mean()
+
+
+def _read_before_owner() -> dict:
+    import torch.distributed as dist
+
+    torch.set_default_dtype(torch.float64)
+    model = ReadBeforeOwner()
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, comm=Comm(ledger=CommLedger()), bucket_mb=100 / 2**20,
+                       module=model, param_gather="forward")
+    _land_on_wait(opt.comm)
+    g = torch.Generator().manual_seed(10 + dist.get_rank())
+    for step in range(3):
+        loss = model(torch.randn(BATCH, SEQ, DIM, generator=g))
+        try:
+            loss.backward()
+        except RuntimeError as e:
+            return {"step": step, "error": str(e)}
+        opt.step()
+        opt.zero_grad()
+    return {"step": None, "error": None}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_read_before_the_owner_runs_fails_autograds_version_check(world: int) -> None:
+    """The read is not learned (l1 runs in the same forward), but the wait that the gather wrote l1.weight
+    bumps its version: backward raises (on every rank: every rank reads the same way) instead of taking a gradient
+    of the previous step's values. Step 0 has nothing in flight and passes."""
+    for r in run_ranks(_read_before_owner, world):
+        assert r["step"] == 1, r
+        assert "modified by an inplace operation" in r["error"]
