@@ -27,7 +27,7 @@ import torch
 BLOCK_ELEMENTS = 1 << 17
 """Elements per block of :func:`adamw_update_` on large contiguous tensors: 512 KiB of float32 per tensor, so
 the four state tensors and two temporaries of a block (3 MiB) fit a core's share of a server's last-level cache
-(measured on a 2-core EPYC, 3.6M float32: 4.6-5.8 ms against 6.6-18 ms in one pass; docs/PERFORMANCE.md)."""
+(measured on a 2-core EPYC, 3.6M float32: 4.9-5.5 ms against 5.9-18 ms in one pass; docs/PERFORMANCE.md)."""
 
 
 def validate_adamw_hparams(lr: float, betas: tuple[float, float], eps: float, weight_decay: float,

@@ -467,8 +467,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 ids = [id(p) for p in mod.parameters(recurse=False) if id(p) in owner]
                 uis = sorted({owner[i] for i in ids})
                 if uis:
-                    self._hooks.append(mod.register_forward_pre_hook(self._make_forward_hook(uis, ids)))
-            self._hooks.append(module.register_forward_pre_hook(self._make_root_hook(), prepend=True))
+                    hook = self._make_forward_hook(uis, ids if self._track_reads else [])
+                    self._hooks.append(mod.register_forward_pre_hook(hook))
+            if self._track_reads:
+                self._hooks.append(module.register_forward_pre_hook(self._make_root_hook(), prepend=True))
         self._constructed = True
 
     def _forward_order(self, module: nn.Module | None) -> list[int]:
@@ -691,7 +693,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._root_waits.add(ui)
 
     def _reset_reads(self) -> None:
-        """Start the next step's read tracking (at the end of :meth:`step` and at a refusal)."""
+        """Start the next step's read tracking (at the end of :meth:`step` and at a refusal). Not part of
+        :meth:`_reset_step`: ``zero_grad()`` calls that, and a script may call ``zero_grad()`` between its forward
+        and its backward, which must not forget which owners that forward ran."""
         self._owner_called.clear()
         self._inflight_at_forward.clear()
         self._read_in_flight.clear()

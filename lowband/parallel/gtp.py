@@ -247,8 +247,8 @@ class GTPWeight:
         self.bwd_pending: _Gather | None = None
         self.needs_bwd_gather = True
         self.used = False  # consumed by a grad-enabled forward since the last sync_replicated_grads
-        # autograd accumulated a gradient into the shard itself: the shard was read outside the GTP layer
-        # (module.weight[:T], F.linear(x, module.weight)); see GTPRuntime._check_direct_reads
+        # autograd brought a gradient to the shard itself: the shard was read outside the GTP layer
+        # (module.weight[:T], F.linear(x, module.weight)); see _direct_read_hook, GTPRuntime._check_direct_reads
         self.read_direct = False
         self._wire_key: tuple[int, int] | None = None
         self._wire_src: torch.Tensor | None = None
