@@ -181,7 +181,11 @@ PG_TIMEOUT_S = 5.0
 
 
 def _peer_rank(rank: int, world: int, store_path: str, shard: str, mode: str, out_dir: str) -> None:
+    import traceback
+
     import torch.distributed as dist
+
+    from lowband.train.__main__ import _exit
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
@@ -195,7 +199,11 @@ def _peer_rank(rank: int, world: int, store_path: str, shard: str, mode: str, ou
     except Exception as e:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
             {"type": type(e).__name__, "msg": str(e), "time": time.time()}))
-        raise
+        # leave as `python -m lowband.train` does (lowband.train.__main__._exit): the interpreter's finalization
+        # can abort in the C++ destructor of the gloo group the dead peer broke (SIGABRT, exit code -6, seen in
+        # CI), which says nothing about the error this rank raised
+        traceback.print_exc()
+        _exit(1)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"type": "none"}))
 
 
