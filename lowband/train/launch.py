@@ -103,6 +103,12 @@ def launch(argv: list[str], cfg: Config) -> int:
     for lk in locks:
         for line in lk.warnings:
             warn(line)
+    try:
+        preflight.check_run_outputs(cfg)
+    except BaseException:
+        for lk in locks:
+            lk.release()
+        raise
     work = Path(tempfile.mkdtemp(prefix="lowband-launch-"))
     sigs = _Signals()
     sigs.install()

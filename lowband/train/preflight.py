@@ -18,6 +18,9 @@ field or file and what to do, and the CLI exits with code 2.
 * **cache**: the data cache root (``$LOWBAND_CACHE_DIR`` or ``~/.cache/lowband``) is a writable directory.
 * **lock**: the run directory and the checkpoint directory (also inside it) are locked (``lowband.train.lock``);
   a lock path of the wrong kind (the run directory a file, ``.lowband.lock`` a folder) is refused first.
+* **outputs** (once the lock is held): a run directory holding another run's outputs (``RUN_OUTPUTS``) is
+  refused unless this run continues it (resumes from a checkpoint, or runs the config of the directory's
+  ``config.toml``: the same command again) or ``run.overwrite = true`` (:func:`check_run_outputs`).
 
 :func:`local_checks` runs them in one process (the self-launcher, before it starts any rank).
 :func:`collective_checks` is for ranks started by ``torchrun``: rank 0 runs the filesystem and data
@@ -202,6 +205,59 @@ def check_dirs(cfg: Config) -> list[str]:
     return [w] if w else []
 
 
+RUN_OUTPUTS = ("metrics.jsonl", "config.toml", "summary.json", "loss.png", "tensorboard", "model.safetensors",
+               "model.json")
+"""What a run writes into its run directory (the trainer's rank 0); ``logs/`` and ``checkpoint/`` are not here:
+logs are appended to, checkpoints have their own rule (``checkpoint.overwrite``, docs/checkpoints.md)."""
+
+
+def _resumes(cfg: Config) -> bool:
+    """Whether this run will load a checkpoint: an explicit ``checkpoint.resume`` path, or ``latest`` with
+    saving on and a committed checkpoint in the checkpoint directory (as :class:`TrainCheckpointer` decides)."""
+    from lowband.train.checkpoint import latest_checkpoint
+
+    c = cfg.checkpoint
+    if c.resume == "none":
+        return False
+    if c.resume != "latest":
+        return True
+    return c.every > 0 and checkpoint_dir(cfg).is_dir() and latest_checkpoint(checkpoint_dir(cfg)) is not None
+
+
+def _identity(config: dict) -> dict:
+    """A config as a run's identity: without ``run.overwrite`` (a permission, not a setting of the run)."""
+    return {sec: {k: v for k, v in vals.items() if (sec, k) != ("run", "overwrite")} for sec, vals in config.items()}
+
+
+def check_run_outputs(cfg: Config) -> None:
+    """Refuse to overwrite another run's outputs: a run directory holding any of :data:`RUN_OUTPUTS` raises
+    ``ConfigError`` (one line naming them) unless ``run.overwrite`` is true, this run resumes from a checkpoint
+    (it continues the run that wrote them), or the directory's ``config.toml`` is this run's config (the same
+    command again: a restart, e.g. a fault-tolerant replica group started again from nothing). Call it with the
+    run directory's lock held."""
+    if cfg.run.overwrite:
+        return
+    from lowband.train.config import load_config
+
+    rd = run_dir(cfg)
+    found = [name for name in RUN_OUTPUTS if (rd / name).exists() or (rd / name).is_symlink()]
+    if not found or _resumes(cfg):
+        return
+    earlier: dict | None = None
+    if (rd / "config.toml").is_file():
+        try:  # parsed, so a field added since it was written compares at its default
+            earlier = load_config(str(rd / "config.toml"), []).to_dict()
+        except (ConfigError, OSError, ValueError):
+            earlier = None
+    if earlier is not None and _identity(earlier) == _identity(cfg.to_dict()):
+        return
+    why = "its config.toml is another config" if (rd / "config.toml").exists() else \
+        "no config.toml says whose they are"
+    raise ConfigError(f"run directory {str(rd)!r} holds another run's outputs ({', '.join(found)}; {why}), which "
+                      "this run would overwrite; choose another run.name / run.out_dir, resume that run from its "
+                      "checkpoints, or set run.overwrite = true to replace them")
+
+
 def lock_dirs(cfg: Config) -> list[Path]:
     """The run directory, then the checkpoint directory when saving: always its own lock, also when it lies
     inside a run directory, so ``checkpoint.dir`` naming another live run's checkpoint folder is refused."""
@@ -293,6 +349,8 @@ def collective_checks(cfg: Config, env: DistEnv, *, take_lock: bool, run_local: 
                 for lk in locks:
                     for line in lk.warnings:
                         warn(line)
+            if run_local:
+                check_run_outputs(cfg)
     except (ConfigError, ShardError, LockError) as e:
         verdict = (type(e).__name__, str(e))
     if env.world_size > 1:

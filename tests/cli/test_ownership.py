@@ -121,7 +121,8 @@ def test_a_run_never_deletes_checkpoints_it_did_not_write(tiny: Path) -> None:
     assert sorted(longer) == ["step-3", "step-4"]
 
     # a fresh run (resume = none) into that folder: refused before it saves anything, the folder as it was
-    proc = run_cli(tiny, "--run.steps=2", "--checkpoint.every=1", "--checkpoint.resume=none")
+    # (run.overwrite = true lets it replace the run directory's other outputs: the checkpoints' own rule decides)
+    proc = run_cli(tiny, "--run.steps=2", "--checkpoint.every=1", "--checkpoint.resume=none", "--run.overwrite=true")
     assert proc.returncode == 2, proc.stderr
     assert stderr_lines(proc) == [
         E + "checkpoint.dir 'runs/t/checkpoint' holds checkpoints this run would not continue: step-3, step-4 "
@@ -142,7 +143,7 @@ def test_a_run_never_deletes_checkpoints_it_did_not_write(tiny: Path) -> None:
 
     # asked to replace them: they go after this run's first save; what it reports is on disk
     proc = run_cli(tiny, "--run.steps=2", "--checkpoint.every=1", "--checkpoint.resume=none",
-                   "--checkpoint.overwrite=true")
+                   "--checkpoint.overwrite=true", "--run.overwrite=true")
     assert proc.returncode == 0, proc.stderr
     assert stderr_lines(proc) == [
         W + "checkpoint.dir 'runs/t/checkpoint' holds checkpoints this run would not continue: step-3, step-4 "
@@ -154,6 +155,49 @@ def test_a_run_never_deletes_checkpoints_it_did_not_write(tiny: Path) -> None:
     summary = json.loads((tiny / "runs" / "t" / "summary.json").read_text())
     assert summary["checkpoint"] == "runs/t/checkpoint/step-2" and (tiny / summary["checkpoint"]).is_dir()
 
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_run_never_overwrites_another_runs_outputs(tiny: Path) -> None:
+    """The run directory's outputs (model, metrics, config, summary) belong to the run that wrote them: a run with
+    another config that does not resume is refused before it writes anything, with the self-launcher and as a
+    torchrun rank; the same command again (a restart), a resume from the run's checkpoints (also with more
+    steps) and ``run.overwrite = true`` go ahead."""
+    from lowband.train.preflight import RUN_OUTPUTS
+
+    rd = tiny / "runs" / "t"
+    proc = run_cli(tiny, "--run.steps=2")
+    assert proc.returncode == 0, proc.stderr
+    before = {n: (rd / n).read_bytes() for n in RUN_OUTPUTS if (rd / n).is_file()}
+    assert {"model.safetensors", "metrics.jsonl", "config.toml", "summary.json"} <= set(before)
+    listed = ", ".join(n for n in RUN_OUTPUTS if n in before)
+    refused = [E + f"run directory 'runs/t' holds another run's outputs ({listed}; its config.toml is another "
+               "config), which this run would overwrite; choose another run.name / "
+               "run.out_dir, resume that run from its checkpoints, or set run.overwrite = true to replace them"]
+    torchrun = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    for env in (None, torchrun):
+        proc = run_cli(tiny, "--run.steps=2", "--run.seed=1", env=env)
+        assert proc.returncode == 2 and stderr_lines(proc) == refused, proc.stderr
+        assert {n: (rd / n).read_bytes() for n in before} == before  # nothing written
+    proc = run_cli(tiny, "--run.steps=2")  # the same command again: a restart of that run
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli(tiny, "--run.steps=2", "--run.seed=1", "--run.overwrite=true")
+    assert proc.returncode == 0, proc.stderr
+    assert (rd / "model.safetensors").read_bytes() != before["model.safetensors"]
+    assert json.loads((rd / "config.toml").read_text().split("seed = ")[1].split("\n")[0]) == 1
+    # a run that saves checkpoints, then one with more steps resuming from them: it continues that run
+    proc = run_cli(tiny, "--run.steps=2", "--checkpoint.every=1", "--run.overwrite=true")
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli(tiny, "--run.steps=3", "--checkpoint.every=1")
+    assert proc.returncode == 0, proc.stderr
+    assert [json.loads(ln)["step"] for ln in (rd / "metrics.jsonl").read_text().splitlines()
+            if "loss" in json.loads(ln)][-1] == 3
 
 
 # -------------------------------------------------------------------------------------------------
