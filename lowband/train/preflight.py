@@ -211,17 +211,20 @@ RUN_OUTPUTS = ("metrics.jsonl", "config.toml", "summary.json", "loss.png", "tens
 logs are appended to, checkpoints have their own rule (``checkpoint.overwrite``, docs/checkpoints.md)."""
 
 
-def _resumes(cfg: Config) -> bool:
-    """Whether this run will load a checkpoint: an explicit ``checkpoint.resume`` path, or ``latest`` with
-    saving on and a committed checkpoint in the checkpoint directory (as :class:`TrainCheckpointer` decides)."""
+def _continues_from_checkpoint(cfg: Config) -> bool:
+    """Whether this run will load a checkpoint of its own checkpoint directory (the run that wrote the run
+    directory's outputs): ``latest`` with saving on and a committed checkpoint there (as
+    :class:`TrainCheckpointer` decides), or an explicit ``checkpoint.resume`` path inside that directory. A
+    checkpoint from elsewhere starts another history in this run directory."""
     from lowband.train.checkpoint import latest_checkpoint
 
     c = cfg.checkpoint
     if c.resume == "none":
         return False
+    d = checkpoint_dir(cfg)
     if c.resume != "latest":
-        return True
-    return c.every > 0 and checkpoint_dir(cfg).is_dir() and latest_checkpoint(checkpoint_dir(cfg)) is not None
+        return Path(c.resume).resolve().parent == d.resolve()
+    return c.every > 0 and d.is_dir() and latest_checkpoint(d) is not None
 
 
 def _identity(config: dict) -> dict:
@@ -232,16 +235,16 @@ def _identity(config: dict) -> dict:
 def check_run_outputs(cfg: Config) -> None:
     """Refuse to overwrite another run's outputs: a run directory holding any of :data:`RUN_OUTPUTS` raises
     ``ConfigError`` (one line naming them) unless ``run.overwrite`` is true, this run resumes from a checkpoint
-    (it continues the run that wrote them), or the directory's ``config.toml`` is this run's config (the same
-    command again: a restart, e.g. a fault-tolerant replica group started again from nothing). Call it with the
-    run directory's lock held."""
+    of its own checkpoint directory (it continues the run that wrote them), or the directory's ``config.toml``
+    is this run's config (the same command again: a restart, e.g. a fault-tolerant replica group started again
+    from nothing). Call it with the run directory's lock held."""
     if cfg.run.overwrite:
         return
     from lowband.train.config import load_config
 
     rd = run_dir(cfg)
     found = [name for name in RUN_OUTPUTS if (rd / name).exists() or (rd / name).is_symlink()]
-    if not found or _resumes(cfg):
+    if not found or _continues_from_checkpoint(cfg):
         return
     earlier: dict | None = None
     if (rd / "config.toml").is_file():

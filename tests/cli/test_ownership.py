@@ -198,6 +198,11 @@ def test_a_run_never_overwrites_another_runs_outputs(tiny: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert [json.loads(ln)["step"] for ln in (rd / "metrics.jsonl").read_text().splitlines()
             if "loss" in json.loads(ln)][-1] == 3
+    # another run directory with outputs of its own, resuming run t's checkpoint: not its history, refused
+    proc = run_cli(tiny, "--run.name=u", "--run.steps=2", "--run.seed=3")
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli(tiny, "--run.name=u", "--run.steps=3", "--checkpoint.resume=runs/t/checkpoint/step-2")
+    assert proc.returncode == 2 and "run directory 'runs/u' holds another run's outputs" in proc.stderr, proc.stderr
 
 
 # -------------------------------------------------------------------------------------------------
