@@ -186,7 +186,7 @@ def _train_rank(cfg: Config, launched: bool, locks: list) -> errors.Outcome:
     env = init_distributed(cfg.run.device, cfg.run.timeout_s)
     with peer_failure_guard(env.rank, env.world_size, cfg.run.timeout_s):
         locks.extend(preflight.collective_checks(cfg, env, take_lock=not launched, run_local=not launched))
-    result = train(cfg, env)
+    result = train(cfg, env, check_outputs=False)  # checked above (or by the launcher), with the lock held
     if result.stopped_by:
         saved = (f"final checkpoint step-{result.steps} saved; the same command resumes"
                  if cfg.checkpoint.every > 0 else "checkpointing is off: nothing was saved")

@@ -207,7 +207,8 @@ def _restore_counters(meter: IntervalMeter, extra: Any, env: DistEnv, start_step
 
 
 def train(cfg: Config, env: DistEnv | None = None, *, model_factory: ModelFactory | None = None,
-          write_run_dir: bool = True, log: bool = True, stop_after: int | None = None) -> TrainResult:
+          write_run_dir: bool = True, log: bool = True, stop_after: int | None = None,
+          check_outputs: bool = True) -> TrainResult:
     """Train per ``cfg``; returns the logged rows and final losses (rank 0 writes the run dir).
 
     ``model_factory(cfg)`` (or ``model.factory = "module:function"`` in the config) builds the model
@@ -218,8 +219,15 @@ def train(cfg: Config, env: DistEnv | None = None, *, model_factory: ModelFactor
     and at the end. ``stop_after`` ends the run after that many total steps (as a preemption would; a
     checkpoint is saved there when checkpointing is on); the LR schedule still spans ``run.steps``.
     A backend error from a dead or unresponsive peer is re-raised as ``PeerFailureError``.
+
+    With ``write_run_dir``, a run directory holding another run's outputs is refused (``ConfigError`` on every
+    rank: :func:`lowband.train.preflight.check_run_outputs`, rank 0's verdict shared by one
+    ``all_gather_object``, tag ``preflight``, at 2+ ranks); ``check_outputs=False`` skips it (the CLI checks
+    before it starts the ranks, with the run directory locked).
     """
     env = env or init_distributed(cfg.run.device, cfg.run.timeout_s)
+    if write_run_dir and check_outputs:
+        _check_outputs(cfg, env)
     strategies: list[Strategy] = []  # closed on every exit path (a fault-tolerant group leaves its run)
     try:
         with peer_failure_guard(env.rank, env.world_size, cfg.run.timeout_s):
@@ -228,6 +236,23 @@ def train(cfg: Config, env: DistEnv | None = None, *, model_factory: ModelFactor
     finally:
         for strategy in strategies:
             strategy.close()
+
+
+def _check_outputs(cfg: Config, env: DistEnv) -> None:
+    """Collective at 2+ ranks: rank 0 runs :func:`~lowband.train.preflight.check_run_outputs`; every rank raises
+    the same ``ConfigError`` or none does."""
+    from lowband.train.preflight import check_run_outputs
+
+    verdict: str | None = None
+    if env.rank == 0:
+        try:
+            check_run_outputs(cfg)
+        except ConfigError as e:
+            verdict = str(e)
+    if env.world_size > 1:
+        verdict = env.metrics_comm.all_gather_object(verdict, tag="preflight")[0]
+    if verdict is not None:
+        raise ConfigError(verdict)
 
 
 def _model_and_plan(cfg: Config, env: DistEnv, strategy_cls: type[Strategy],

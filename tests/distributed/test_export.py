@@ -279,12 +279,36 @@ def _train_expect_export_error(cfg: Config) -> str:
 
 def test_a_failed_write_raises_on_every_rank_and_leaves_no_temporary_files(shard: str, tmp_path: Path) -> None:
     cfg = export_config(shard, tmp_path, 2, "ddp", "blocked")
+    cfg.run.overwrite = True  # the stale files below are another run's: replacing them is asked for
     (tmp_path / "blocked" / "model.safetensors").mkdir(parents=True)  # rank 0 cannot rename the weights there
     (tmp_path / "blocked" / "model.json").write_text("{}")  # a stale description is removed first
     out = run_ranks(_train_expect_export_error, 2, cfg, timeout=180)
     assert all("writing the final model" in m and "failed on rank 0" in m and "run.export = false" in m for m in out)
     assert "IsADirectoryError" in out[0] and out[0] == out[1] is not None
     assert sorted(p.name for p in (tmp_path / "blocked").iterdir() if "model" in p.name) == ["model.safetensors"]
+
+
+def _train_twice(cfg: Config) -> str | None:
+    """Train ``cfg``, then the same with another seed into the same run directory: the error of the second."""
+    from lowband.train.config import ConfigError
+
+    train(cfg, log=False)
+    cfg.run.seed += 1
+    try:
+        train(cfg, log=False)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_train_refuses_another_runs_outputs_on_every_rank(shard: str, tmp_path: Path) -> None:
+    """``lowband.train.train`` (the Python API, no CLI preflight) keeps a run directory's outputs as the CLI does:
+    a second run with another config raises the same ``ConfigError`` on both ranks and writes nothing."""
+    cfg = export_config(shard, tmp_path, 2, "ddp", "twice")
+    out = run_ranks(_train_twice, 2, cfg, timeout=180)
+    assert out[0] == out[1] is not None and "holds another run's outputs (metrics.jsonl, config.toml, " in out[0], out
+    assert "model.safetensors, model.json; its config.toml is another config)" in out[0], out
+    assert "seed = 0" in (tmp_path / "twice" / "config.toml").read_text()
 
 
 def test_export_off_writes_no_model(shard: str, tmp_path: Path) -> None:
