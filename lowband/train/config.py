@@ -35,8 +35,8 @@ class RunConfig:
     overwrite: bool = False
     """Let this run replace the outputs of another run in its run directory (``metrics.jsonl``, ``config.toml``,
     ``summary.json``, ``loss.png``, ``tensorboard/``, ``model.safetensors``, ``model.json``). false = a run
-    directory holding them is refused (exit 2) unless this run resumes from a checkpoint or its config is the
-    one in the directory's ``config.toml`` (the same command again)."""
+    directory holding them is refused (exit 2) unless this run resumes from a checkpoint of its own checkpoint
+    directory or its config is the one in the directory's ``config.toml`` (the same command again)."""
     seed: int = 0
     """Seed for model init and data order."""
     steps: int = 100

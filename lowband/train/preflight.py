@@ -244,8 +244,14 @@ def check_run_outputs(cfg: Config) -> None:
 
     rd = run_dir(cfg)
     found = [name for name in RUN_OUTPUTS if (rd / name).exists() or (rd / name).is_symlink()]
-    if not found or _continues_from_checkpoint(cfg):
+    if not found:
         return
+    try:
+        if _continues_from_checkpoint(cfg):
+            return
+    except OSError as e:
+        raise ConfigError(f"checkpoint directory {str(checkpoint_dir(cfg))!r} cannot be read ({e.strerror or e}) "
+                          f"to tell whether this run continues the outputs in {str(rd)!r}") from e
     earlier: dict | None = None
     if (rd / "config.toml").is_file():
         try:  # parsed, so a field added since it was written compares at its default

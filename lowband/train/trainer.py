@@ -249,6 +249,8 @@ def _check_outputs(cfg: Config, env: DistEnv) -> None:
             check_run_outputs(cfg)
         except ConfigError as e:
             verdict = str(e)
+        except OSError as e:  # every rank must learn of it (no rank may wait alone in the gather)
+            verdict = f"run directory {str(Path(cfg.run.out_dir) / cfg.run.name)!r} cannot be read ({e.strerror or e})"
     if env.world_size > 1:
         verdict = env.metrics_comm.all_gather_object(verdict, tag="preflight")[0]
     if verdict is not None:
