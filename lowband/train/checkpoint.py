@@ -640,6 +640,13 @@ def default_checkpoint_dir(cfg: Config) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.run.out_dir) / cfg.run.name / "checkpoint"
 
 
+def wants_resume(cfg: Config) -> bool:
+    """Whether the run looks for a checkpoint to load: an explicit ``checkpoint.resume`` path, or ``latest``
+    with saving on (``every > 0``)."""
+    c = cfg.checkpoint
+    return c.resume != "none" and (c.resume != "latest" or c.every > 0)
+
+
 class TrainCheckpointer:
     """Checkpoint/resume for :func:`lowband.train.trainer.train`, driven by the ``[checkpoint]`` config.
 
@@ -668,7 +675,7 @@ class TrainCheckpointer:
         c = cfg.checkpoint
         self.every = c.every
         self.directory = default_checkpoint_dir(cfg)
-        self.wants_resume = c.resume != "none" and (c.resume != "latest" or c.every > 0)
+        self.wants_resume = wants_resume(cfg)
         self.active = c.every > 0 or self.wants_resume
         self.manager: CheckpointManager | None = None
         if self.active:

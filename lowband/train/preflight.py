@@ -216,15 +216,14 @@ def _continues_from_checkpoint(cfg: Config) -> bool:
     directory's outputs): ``latest`` with saving on and a committed checkpoint there (as
     :class:`TrainCheckpointer` decides), or an explicit ``checkpoint.resume`` path inside that directory. A
     checkpoint from elsewhere starts another history in this run directory."""
-    from lowband.train.checkpoint import latest_checkpoint
+    from lowband.train.checkpoint import latest_checkpoint, wants_resume
 
-    c = cfg.checkpoint
-    if c.resume == "none":
+    if not wants_resume(cfg):
         return False
     d = checkpoint_dir(cfg)
-    if c.resume != "latest":
-        return Path(c.resume).resolve().parent == d.resolve()
-    return c.every > 0 and d.is_dir() and latest_checkpoint(d) is not None
+    if cfg.checkpoint.resume != "latest":
+        return Path(cfg.checkpoint.resume).resolve().parent == d.resolve()
+    return d.is_dir() and latest_checkpoint(d) is not None
 
 
 def _identity(config: dict) -> dict:

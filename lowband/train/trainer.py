@@ -241,7 +241,7 @@ def train(cfg: Config, env: DistEnv | None = None, *, model_factory: ModelFactor
 def _check_outputs(cfg: Config, env: DistEnv) -> None:
     """Collective at 2+ ranks: rank 0 runs :func:`~lowband.train.preflight.check_run_outputs`; every rank raises
     the same ``ConfigError`` or none does."""
-    from lowband.train.preflight import check_run_outputs
+    from lowband.train.preflight import check_run_outputs, run_dir
 
     verdict: str | None = None
     if env.rank == 0:
@@ -250,7 +250,7 @@ def _check_outputs(cfg: Config, env: DistEnv) -> None:
         except ConfigError as e:
             verdict = str(e)
         except OSError as e:  # every rank must learn of it (no rank may wait alone in the gather)
-            verdict = f"run directory {str(Path(cfg.run.out_dir) / cfg.run.name)!r} cannot be read ({e.strerror or e})"
+            verdict = f"run directory {str(run_dir(cfg))!r} cannot be read ({e.strerror or e})"
     if env.world_size > 1:
         verdict = env.metrics_comm.all_gather_object(verdict, tag="preflight")[0]
     if verdict is not None:
