@@ -161,10 +161,12 @@ class GTPOptions:
             in rank order at the owner).
         grad_block_size: elements per fp32 scale of an ``"fp8"``/``"int8"`` gradient (a multiple of 4).
         record_events: keep an event log (issue/ready/GEMM order) in :attr:`GTPRuntime.events`.
-        cache_wire_shard: for ``bf16``/``fp8``, keep each shard's quantized copy until the parameter
-            changes (quantize once per optimizer step instead of at every gather; costs 1/2 resp.
-            ~1/4 of the shard bytes per weight, held all step). Default off: re-quantize per gather,
-            as FSDP2's mixed-precision cast does.
+        cache_wire_shard: for ``bf16``/``fp8``, keep the shard's quantized copy a grad-enabled forward
+            made for the backward re-gather of the same pass (quantize once per forward/backward pass
+            instead of at every gather; costs 1/2 resp. ~1/4 of the shard bytes per weight, held from
+            the forward to the end of its backward). Every forward quantizes what the parameter holds
+            then, so any write to the parameters between passes is seen. Default off: re-quantize per
+            gather, as FSDP2's mixed-precision cast does.
         state_timeout: seconds a state collective (:meth:`GTPRuntime.full_weight`,
             :func:`~lowband.parallel.unsharded_copy`, :class:`~lowband.parallel.gtp_state.GTPStateLayout`)
             waits for the other ranks before it fails with :class:`GTPCollectiveError` (they run on a
@@ -250,7 +252,7 @@ class GTPWeight:
         # autograd brought a gradient to the shard itself: the shard was read outside the GTP layer
         # (module.weight[:T], F.linear(x, module.weight)); see _direct_read_hook, GTPRuntime._check_direct_reads
         self.read_direct = False
-        self._wire_key: tuple[int, int] | None = None
+        self._wire_key: tuple[int, int, int] | None = None
         self._wire_src: torch.Tensor | None = None
         # (inf-norm of .grad, that .grad, its version) taken when a reduce-scatter was finalized into it
         self._scan: tuple[torch.Tensor, torch.Tensor, int] | None = None
@@ -634,18 +636,27 @@ class GTPRuntime:
         self._post_drain_hooks.append(fn)
 
     # ------------------------------------------------------------------------------ gathers
-    def _wire_source(self, gw: GTPWeight) -> torch.Tensor:
+    def _wire_source(self, gw: GTPWeight, direction: str) -> torch.Tensor:
+        """The shard as it goes on the wire. With ``cache_wire_shard`` a grad-enabled forward's quantized
+        copy is kept for the backward re-gathers of the same pass (same parameter version and storage) and
+        dropped at the pass's end (:meth:`end_pass`): a forward always quantizes what the parameter holds
+        now, so writes the version counter does not see (``p.data.copy_(...)``, an optimizer that updates a
+        flat buffer the parameter views, an EMA swap) are never missed."""
         fmt = self.options.gather_format
         p = gw.param.detach()
         if fmt == "native":
             return p
-        key = (gw.param._version, p.data_ptr())
-        if gw._wire_key == key and gw._wire_src is not None:
+        key = (gw.param._version, p.data_ptr(), self.passes)
+        if direction == "bwd" and gw._wire_key == key and gw._wire_src is not None:
             return gw._wire_src
         src = p.to(torch.bfloat16) if fmt == "bf16" else fp8_pack(p, self.options.fp8_block)
-        if self.options.cache_wire_shard:
+        if self.options.cache_wire_shard and direction == "fwd":
             gw._wire_src, gw._wire_key = src, key
         return src
+
+    def _drop_wire_sources(self) -> None:
+        for gw in self.weights:
+            gw._wire_src, gw._wire_key = None, None
 
     def _key_direction(self, direction: str) -> str:
         """Direction part of a gather buffer's cache key.
@@ -666,7 +677,7 @@ class GTPRuntime:
         main = consume == "main" and gw.index is not None
         parity = gw.index % 2 if main else 2
         ticket = (gw.uid, direction, consume)
-        src = self._wire_source(gw)
+        src = self._wire_source(gw, direction)
         if fmt == "native":
             shape, dtype = (gw.padded_out, gw.in_features), p.dtype
         elif fmt == "bf16":
@@ -889,6 +900,7 @@ class GTPRuntime:
     def end_pass(self) -> None:
         """Drain and forget this forward pass's consume bookkeeping (called after each backward)."""
         self.finalize_all()
+        self._drop_wire_sources()
         self._fwd_seen.clear()
         self._bwd_done.clear()
         self._extra.clear()
@@ -913,6 +925,7 @@ class GTPRuntime:
     def reset(self) -> None:
         """Forget the chain and all buffers (before rebuilding the model in-process)."""
         self.finalize_all()
+        self._drop_wire_sources()
         self._fwd_seen.clear()
         self._bwd_done.clear()
         self._extra.clear()

@@ -583,6 +583,52 @@ def test_gtp_composes_with_sharded_adamw(world, gtp):
     run_ranks(_with_sharded_adamw, world, gtp, timeout=TIMEOUT)
 
 
+def _cached_wire_shard(_: int) -> dict:
+    """cache_wire_shard=True against False (bf16 gathers): the same losses and weights, bit for bit, under
+    an optimizer that writes the parameters without bumping their version (ShardedAdamW updates a flat
+    buffer the parameters view) and after writes through ``.data`` (an EMA swap)."""
+    from lowband.optim.sharded import ShardedAdamW
+
+    torch.set_default_dtype(torch.float64)
+    mesh = build_mesh(gtp=dist.get_world_size())
+    X, Y = _data(6, 6, 3)
+    runs, cached_fwd, cached_after = {}, [], []
+    for cache in (False, True):
+        model = _model("mlp")
+        rt = GTPRuntime(mesh.gtp, GTPOptions(gather_format="bf16", cache_wire_shard=cache))
+        shard_linears(model, rt)
+        opt = ShardedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, comm=mesh.dp, bucket_mb=1e-3)
+        losses = []
+        for _ in range(3):
+            loss = F.mse_loss(model(X), Y)
+            if cache:
+                cached_fwd.append(all(gw._wire_src is not None for gw in rt.weights))
+            with opt.no_sync():  # the DP reduction starts in step(), after GTP has finished every grad
+                loss.backward()
+            if cache:
+                cached_after.append(any(gw._wire_src is not None for gw in rt.weights))
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        for p in model.parameters():  # an EMA-style swap through .data: no version bump
+            p.data.copy_(p.data * 0.5 + 0.1)
+        with torch.no_grad():
+            losses.append(F.mse_loss(model(X), Y))
+        losses.append(F.mse_loss(model(X), Y).detach())  # grad-enabled forward, no backward
+        runs[cache] = torch.stack(losses), [rt.full_weight(gw) for gw in rt.weights]
+    assert torch.equal(runs[True][0], runs[False][0]), (runs[True][0], runs[False][0])
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][1], runs[False][1], strict=True))
+    assert cached_fwd == [True] * 3 and cached_after == [False] * 3, (cached_fwd, cached_after)
+    return {"losses": runs[True][0].tolist()}
+
+
+def test_cached_wire_shard_sees_every_write():
+    """Regression: the quantized copy was keyed on the parameter's version counter, so ShardedAdamW's updates
+    (and any ``p.data`` write) went unseen and later steps gathered step 0's weights."""
+    res = run_ranks(_cached_wire_shard, 2, 0, timeout=TIMEOUT)
+    assert res[0]["losses"] == res[1]["losses"]
+
+
 # --------------------------------------------------------------------------------- TP x GTP (T13)
 def _tp_gtp(_: int) -> float:
     from lowband.parallel.gtp_tp import GTPColumnParallelLinear, GTPRowParallelLinear
