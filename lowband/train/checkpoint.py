@@ -38,8 +38,10 @@ What is saved (one DCP state dict):
     docs/checkpoints.md for what each strategy provides); ``trainer``: pickled step, LR scheduler, data
     loader position, guard counters and ``extra`` (the trainer's per-rank cumulative wire-byte counters,
     gathered to every rank) (identical on every rank, written once); ``rng_rank<r>``: rank r's
-    torch / numpy / python (and CUDA) RNG states. Resuming at a different world size, rank r reads
-    ``rng_rank<r mod saved_world>``.
+    torch / numpy / python (and CUDA) RNG states; ``buffers_rank<r>``: rank r's persistent module buffers
+    (:func:`persistent_buffers`; they may differ per rank: DDP without buffer broadcast, DiLoCo replicas),
+    restored after the strategy's state. Resuming at a different world size, rank r reads
+    ``rng_rank<r mod saved_world>`` and ``buffers_rank<r mod saved_world>``.
 
 Communication: DCP's own gather/scatter of plans and metadata on the world group (not counted in the
 training ledger), plus barriers and one ``all_gather_object`` on the metrics ``Comm`` (one more at the start
@@ -69,6 +71,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from lowband.comm import Comm
 from lowband.train.errors import warn
@@ -640,6 +643,17 @@ def default_checkpoint_dir(cfg: Config) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.run.out_dir) / cfg.run.name / "checkpoint"
 
 
+def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``model``'s buffers that its ``state_dict()`` holds (torch's rule: ``persistent=False`` ones are left
+    out), by state-dict name, in module order."""
+    out = []
+    for mod_name, mod in model.named_modules():
+        for name, buf in mod._buffers.items():
+            if buf is not None and name not in mod._non_persistent_buffers_set:
+                out.append((f"{mod_name}.{name}" if mod_name else name, buf))
+    return out
+
+
 def wants_resume(cfg: Config) -> bool:
     """Whether the run looks for a checkpoint to load: an explicit ``checkpoint.resume`` path, or ``latest``
     with saving on (``every > 0``)."""
@@ -698,9 +712,29 @@ class TrainCheckpointer:
                 "torch": torch.__version__, "seed": cfg.run.seed,
                 "data": {"source": cfg.data.source, "train_tokens": int(np.asarray(self.loader.tokens).size)}}
 
-    def _state(self, rng_rank: int, trainer_blob: bytes = b"", rng_blob: bytes = b"") -> dict[str, Any]:
-        return {"strategy": self.strategy.state_dict(), "trainer": trainer_blob,
-                f"rng_rank{rng_rank}": rng_blob}
+    def _state(self, rng_rank: int, trainer_blob: bytes = b"", rng_blob: bytes = b"",
+               buffers_blob: bytes | None = b"") -> dict[str, Any]:
+        state = {"strategy": self.strategy.state_dict(), "trainer": trainer_blob, f"rng_rank{rng_rank}": rng_blob}
+        if buffers_blob is not None:
+            state[f"buffers_rank{rng_rank}"] = buffers_blob
+        return state
+
+    def _buffers_blob(self) -> bytes:
+        """This rank's persistent module buffers (CPU copies), pickled: they evolve per rank (a DDP run that
+        does not broadcast buffers, DiLoCo replicas), so each rank saves its own."""
+        return pickle.dumps({k: v.detach().cpu().clone() for k, v in persistent_buffers(self.strategy.unwrapped())})
+
+    @torch.no_grad()
+    def _load_buffers(self, info: CheckpointInfo, blob: bytes) -> None:
+        saved: dict[str, torch.Tensor] = pickle.loads(blob)
+        ours = dict(persistent_buffers(self.strategy.unwrapped()))
+        bad = sorted(set(saved) ^ set(ours)) + sorted(
+            k for k in set(saved) & set(ours) if saved[k].shape != ours[k].shape or saved[k].dtype != ours[k].dtype)
+        if bad:
+            raise CheckpointError(f"checkpoint {str(info.path)!r} does not match this run: module buffers differ "
+                                  f"({', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''})")
+        for k, v in ours.items():
+            v.copy_(saved[k])
 
     def save(self, step: int) -> bool:
         """Collective: checkpoint the state after ``step`` optimizer steps; ``False`` when the save failed and
@@ -713,7 +747,7 @@ class TrainCheckpointer:
         trainer = {"step": step, "scheduler": self.scheduler.state_dict(), "loader": self.loader.state_dict(),
                    "guard": self.guard.state_dict() if self.guard is not None else None,
                    "extra": self.extra_state() if self.extra_state is not None else None}
-        state = self._state(self.env.rank, pickle.dumps(trainer), pickle.dumps(rng_state()))
+        state = self._state(self.env.rank, pickle.dumps(trainer), pickle.dumps(rng_state()), self._buffers_blob())
         try:
             meta = self.expected_meta()
             if self.env.rank == 0:  # rank 0 writes the marker
@@ -821,8 +855,10 @@ class TrainCheckpointer:
         self._claim(info)
         saved_world = int(info.meta.get("world_size", 1))
         self.strategy.prepare_resume()
-        state = self._state(self.env.rank % saved_world)
         saved = self.manager.saved_keys(info)
+        src = self.env.rank % saved_world
+        # checkpoints written before buffers were saved per rank hold none: their buffers came from the strategy
+        state = self._state(src, buffers_blob=b"" if f"buffers_rank{src}" in saved else None)
         self.strategy.fit_resume_template(state["strategy"], {k.removeprefix("strategy.") for k in saved
                                                               if k.startswith("strategy.")})
         self.manager.load(info, state)
@@ -839,7 +875,9 @@ class TrainCheckpointer:
         if self.guard is not None and trainer.get("guard") is not None:
             self.guard.load_state_dict(trainer["guard"])
         self.extra = trainer.get("extra")
-        set_rng_state(pickle.loads(state[f"rng_rank{self.env.rank % saved_world}"]))
+        set_rng_state(pickle.loads(state[f"rng_rank{src}"]))
+        if f"buffers_rank{src}" in state:
+            self._load_buffers(info, state[f"buffers_rank{src}"])
         if int(trainer["step"]) != info.step:
             raise CheckpointError(f"checkpoint {str(info.path)!r} is corrupt: folder step {info.step} but saved "
                                   f"trainer step {trainer['step']}")

@@ -8,12 +8,13 @@ different weights and the strategies must make them agree.
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from lowband.plan import ModelPlan, SparseTableSpec
 from lowband.train.config import Config
-from tests.external.outside_gpt import OutsideConfig, outside_plan, seeded_model
+from tests.external.outside_gpt import OutsideConfig, OutsideGPT, outside_plan, seeded_model
 
 
 def outside_config(cfg: Config, *, tie: bool = True) -> OutsideConfig:
@@ -156,3 +157,28 @@ def plain_lm(cfg: Config) -> nn.Module:
 
     torch.manual_seed(cfg.run.seed + _rank())
     return ConditionalLM(cfg.model.vocab_size, cfg.model.n_embd, conditional=False)
+
+
+class _RunningLossGPT(OutsideGPT):
+    """OutsideGPT with a persistent buffer its training forwards update (like BatchNorm's running
+    statistics): an average of the loss that also scales it, so a buffer lost or mixed up across ranks at a
+    resume changes the losses. It differs per rank (each rank sees its own batches)."""
+
+    def __init__(self, cfg: OutsideConfig) -> None:
+        super().__init__(cfg)
+        self.register_buffer("running_loss", torch.zeros(()))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        logits, loss = super().forward(idx, targets)
+        if loss is not None and self.training:
+            with torch.no_grad():
+                self.running_loss.mul_(0.5).add_(0.5 * loss.detach().to(self.running_loss.dtype))
+            loss = loss * (1 + self.running_loss.to(loss.dtype))
+        return logits, loss
+
+
+def outside_gpt_running_loss(cfg: Config) -> tuple[nn.Module, ModelPlan]:
+    """As :func:`outside_gpt`, with a per-rank persistent buffer (:class:`_RunningLossGPT`)."""
+    torch.manual_seed(cfg.run.seed + _rank())
+    model = _RunningLossGPT(outside_config(cfg))
+    return model, outside_plan(model)

@@ -26,6 +26,7 @@ from lowband.train.trainer import train
 from tests.external.conftest import VOCAB
 
 FACTORY = "tests.external.factories:outside_gpt"
+RUNNING_LOSS = "tests.external.factories:outside_gpt_running_loss"
 TOL = 1e-10  # float64, see the module docstring
 LOSS_TOL = 1e-6  # the model's float32 loss (see assert_matches)
 
@@ -163,12 +164,17 @@ def _run_groups(cfg: Config) -> dict:
     return {**groups, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "sharded-adamw"])
-def test_stop_and_resume_from_checkpoint_is_bitwise_exact(shard: str, tmp_path: Path, strategy: str) -> None:
+@pytest.mark.parametrize(("strategy", "factory"), [("ddp", FACTORY), ("sharded-adamw", FACTORY),
+                                                   ("ddp", RUNNING_LOSS), ("sharded-adamw", RUNNING_LOSS),
+                                                   ("diloco", RUNNING_LOSS)])
+def test_stop_and_resume_from_checkpoint_is_bitwise_exact(shard: str, tmp_path: Path, strategy: str,
+                                                          factory: str) -> None:
     """Save at step 2 and at the stop (3), resume from latest to 6: bitwise the uninterrupted run.
-    The resumed run rebuilds the per-rank-seeded model, so the loaded state must replace all of it."""
-    full = run_ranks(_run, 2, outside_config(shard, 2, strategy, 2))
-    cfg = outside_config(shard, 2, strategy, 2, ckpt_dir=str(tmp_path), every=2)
+    The resumed run rebuilds the per-rank-seeded model, so the loaded state must replace all of it. With
+    ``RUNNING_LOSS`` the model holds a persistent buffer that differs per rank and scales the loss: each rank
+    must get its own back (checkpoints once held none for sharded-adamw and diloco, and rank 0's for ddp)."""
+    full = run_ranks(_run, 2, outside_config(shard, 2, strategy, 2, factory=factory))
+    cfg = outside_config(shard, 2, strategy, 2, ckpt_dir=str(tmp_path), every=2, factory=factory)
     first = run_ranks(_run, 2, cfg, stop_after=3)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-")) == ["step-2", "step-3"]
     second = run_ranks(_run, 2, cfg)
