@@ -751,7 +751,8 @@ class TrainCheckpointer:
         try:
             meta = self.expected_meta()
             if self.env.rank == 0:  # rank 0 writes the marker
-                meta.update(lineage=self.manager.lineage, data_fingerprint=self.data_fingerprint())
+                meta.update(lineage=self.manager.lineage, data_fingerprint=self.data_fingerprint(),
+                            run_dir=str((Path(self.cfg.run.out_dir) / self.cfg.run.name).resolve()))
             self.manager.save(step, state, meta)
         except CheckpointSaveError as e:
             if getattr(self.cfg.checkpoint, "on_save_error", "stop") == "continue":

@@ -214,16 +214,32 @@ logs are appended to, checkpoints have their own rule (``checkpoint.overwrite``,
 def _continues_from_checkpoint(cfg: Config) -> bool:
     """Whether this run will load a checkpoint of its own checkpoint directory (the run that wrote the run
     directory's outputs): ``latest`` with saving on and a committed checkpoint there (as
-    :class:`TrainCheckpointer` decides), or an explicit ``checkpoint.resume`` path inside that directory. A
+    :class:`TrainCheckpointer` decides), or an explicit ``checkpoint.resume`` path inside that directory, and,
+    when ``checkpoint.dir`` lies outside the run directory, the checkpoint's marker names this run directory
+    as the one its run wrote (markers record ``run_dir``; older ones, without it, are taken as this run's). A
     checkpoint from elsewhere starts another history in this run directory."""
-    from lowband.train.checkpoint import latest_checkpoint, wants_resume
+    from lowband.train.checkpoint import CheckpointError, latest_checkpoint, read_marker, wants_resume
 
     if not wants_resume(cfg):
         return False
-    d = checkpoint_dir(cfg)
+    d = checkpoint_dir(cfg).resolve()
     if cfg.checkpoint.resume != "latest":
-        return Path(cfg.checkpoint.resume).resolve().parent == d.resolve()
-    return d.is_dir() and latest_checkpoint(d) is not None
+        chosen: Path | None = Path(cfg.checkpoint.resume).resolve()
+        if chosen.parent != d:
+            return False
+    else:
+        info = latest_checkpoint(d) if d.is_dir() else None
+        chosen = None if info is None else info.path
+    if chosen is None:
+        return False
+    rd = run_dir(cfg).resolve()
+    if d.is_relative_to(rd):  # the run directory's own checkpoint folder: its location says whose it is
+        return True
+    try:
+        written_by = read_marker(chosen).get("run_dir")
+    except CheckpointError:
+        return False
+    return written_by is None or Path(written_by) == rd
 
 
 def _identity(config: dict) -> dict:

@@ -36,6 +36,7 @@ from lowband.train.checkpoint import MARKER, STEP_PREFIX, TrainCheckpointer
 from lowband.train.compiling import compile_model
 from lowband.train.config import Config, ConfigError, to_toml
 from lowband.train.env import DistEnv, init_distributed
+from lowband.train.errors import warn
 from lowband.train.forward import lm_loss, resolve_convention
 from lowband.train.guards import NonFiniteGuard, peer_failure_guard
 from lowband.train.metrics import (
@@ -176,14 +177,30 @@ def _set_threads(cfg: Config) -> None:
 
 
 def _rows_before(path: Path, step: int) -> list[dict[str, Any]]:
-    """The rows of an earlier ``metrics.jsonl`` up to ``step`` (empty if missing or unreadable)."""
+    """The rows of an earlier ``metrics.jsonl`` up to ``step`` (empty if missing). A line that does not parse
+    (a row torn by a crash or a full disk while it was written) is left out with a warning; the rows around it
+    are kept."""
     import json
 
     try:
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except (OSError, ValueError):
+        lines = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
         return []
-    return [r for r in rows if isinstance(r, dict) and r.get("step", step + 1) <= step]
+    rows, torn = [], 0
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            torn += 1
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step", step + 1), int) and row.get("step", step + 1) <= step:
+            rows.append(row)
+    if torn:
+        warn(f"{str(path)!r}: {torn} line(s) that are not JSON rows (cut short by a crash?) left out; the other "
+             f"rows up to step {step} are kept")
+    return rows
 
 
 def _gather_counters(meter: IntervalMeter, env: DistEnv) -> dict[str, Any]:
@@ -317,6 +334,8 @@ def _train(cfg: Config, env: DistEnv, *, model_factory: ModelFactory | None, wri
     writer: RunWriter | None = None
     tb: TensorBoardWriter | None = None
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    if start_step >= end_step:  # resumed where the run ends: its run directory already holds its outputs
+        write_run_dir = False
     if env.is_main and log and checkpointer.resumed_from is not None:
         print(f"lowband.train: resumed from {checkpointer.resumed_from.path} (step {start_step})", flush=True)
     if env.is_main and write_run_dir:

@@ -57,12 +57,33 @@ def _copy(saved: Path, tmp_path: Path) -> Path:
 
 
 def test_resume_at_run_steps_is_a_notice_and_exit_0(saved: Path, tmp_path: Path) -> None:
+    """Nothing to train: the run directory is left as the run wrote it (its summary once became an empty
+    run's: no steps, no losses, no checkpoint)."""
     cwd = _copy(saved, tmp_path)
+    rd = cwd / "runs" / "t"
+    before = {p.name: p.read_bytes() for p in rd.iterdir() if p.is_file() and not p.name.startswith(".")}
+    assert {"summary.json", "metrics.jsonl", "model.safetensors", "config.toml"} <= set(before)
     proc = run_cli(cwd, "--run.steps=2", "--checkpoint.every=1")
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
     assert ("lowband.train: checkpoint 'runs/t/checkpoint/step-2' is at run.steps = 2: the run is complete, "
             "nothing to train (raise run.steps to train further)") in proc.stdout.splitlines()
+    assert {n: (rd / n).read_bytes() for n in before} == before
+
+
+def test_a_torn_metrics_row_keeps_the_rows_around_it(saved: Path, tmp_path: Path) -> None:
+    """A row cut short by a crash: the resumed run keeps every other earlier row (it once kept none)."""
+    cwd = _copy(saved, tmp_path)
+    metrics = cwd / "runs" / "t" / "metrics.jsonl"
+    rows = [json.loads(ln) for ln in metrics.read_text().splitlines()]
+    metrics.write_text(metrics.read_text() + '{"step": 3, "loss": 5.6')
+    proc = run_cli(cwd, "--run.steps=3", "--checkpoint.every=1")
+    assert proc.returncode == 0, proc.stderr
+    assert stderr_lines(proc) == [W + "'runs/t/metrics.jsonl': 1 line(s) that are not JSON rows (cut short by a "
+                                      "crash?) left out; the other rows up to step 2 are kept"]
+    after = [json.loads(ln) for ln in metrics.read_text().splitlines()]
+    assert [r for r in after if r.get("step", 0) <= 2] == [r for r in rows if r.get("step", 0) <= 2]
+    assert [r["step"] for r in after if "loss" in r] == [1, 2, 3]
 
 
 def test_resume_past_run_steps_is_an_error(saved: Path, tmp_path: Path) -> None:

@@ -203,6 +203,17 @@ def test_a_run_never_overwrites_another_runs_outputs(tiny: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     proc = run_cli(tiny, "--run.name=u", "--run.steps=3", "--checkpoint.resume=runs/t/checkpoint/step-2")
     assert proc.returncode == 2 and "run directory 'runs/u' holds another run's outputs" in proc.stderr, proc.stderr
+    # checkpoint.dir outside the run directory: the marker names the run directory whose run wrote it, so run v
+    # continues with more steps, while run u (outputs of its own) taking v's checkpoints from there is refused
+    ext = ["--checkpoint.every=1", "--checkpoint.dir=shared/ckpt"]
+    proc = run_cli(tiny, "--run.name=v", "--run.steps=2", *ext)
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli(tiny, "--run.name=v", "--run.steps=3", *ext)
+    assert proc.returncode == 0, proc.stderr
+    u_before = {n: (tiny / "runs" / "u" / n).read_bytes() for n in ("metrics.jsonl", "model.safetensors")}
+    proc = run_cli(tiny, "--run.name=u", "--run.steps=4", *ext)
+    assert proc.returncode == 2 and "run directory 'runs/u' holds another run's outputs" in proc.stderr, proc.stderr
+    assert {n: (tiny / "runs" / "u" / n).read_bytes() for n in u_before} == u_before
 
 
 # -------------------------------------------------------------------------------------------------
