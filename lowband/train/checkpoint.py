@@ -52,6 +52,7 @@ trainer's ``extra_state`` gather of its byte counters, also on the metrics ``Com
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import json
@@ -654,6 +655,53 @@ def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+RESUME_HPARAMS = ("weight_decay", "betas", "eps", "momentum", "nesterov")
+"""Param-group settings a resumed run takes from its config rather than from the checkpoint's optimizer state
+(which ``load_state_dict`` restores, as torch does), beside the peak lr (the LR scheduler's ``base_lrs``)."""
+
+
+def _configured_hparams(optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
+    """The optimizer's settings as this run's config made them (call before loading a checkpoint)."""
+    return {"base_lrs": list(getattr(scheduler, "base_lrs", [])),
+            "groups": [{k: copy.deepcopy(g[k]) for k in RESUME_HPARAMS if k in g} for g in optimizer.param_groups]}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def _reapply_hparams(optimizer: torch.optim.Optimizer, scheduler: Any, configured: dict[str, Any]) -> list[str]:
+    """After a checkpoint was loaded: put back the config's peak lr and :data:`RESUME_HPARAMS` where the
+    checkpoint's differ (a run resumed with another ``optim.lr`` or ``optim.weight_decay`` trains with them, as
+    its ``config.toml`` says); the current lr is the new peak times the schedule's factor at the resumed step.
+    Returns what changed, one ``group i: key old -> new`` per setting."""
+    changed: list[str] = []
+    groups = optimizer.param_groups
+    if len(configured["groups"]) != len(groups):
+        return changed
+    base = configured["base_lrs"]
+    if base and len(base) == len(getattr(scheduler, "base_lrs", [])) and not _same(base, scheduler.base_lrs):
+        for i, (old, new) in enumerate(zip(scheduler.base_lrs, base, strict=True)):
+            if not _same(old, new):
+                changed.append(f"group {i}: lr {old:g} -> {new:g}")
+        scheduler.base_lrs = list(base)
+        factors = [lam(scheduler.last_epoch) for lam in scheduler.lr_lambdas]
+        for g, b, f in zip(groups, base, factors, strict=True):
+            g["initial_lr"] = b
+            g["lr"] = b * f
+        scheduler._last_lr = [g["lr"] for g in groups]
+    for i, (g, want) in enumerate(zip(groups, configured["groups"], strict=True)):
+        for k, v in want.items():
+            if k in g and not _same(g[k], v):
+                changed.append(f"group {i}: {k} {g[k]} -> {v}")
+                g[k] = copy.deepcopy(v)
+    return changed
+
+
 def wants_resume(cfg: Config) -> bool:
     """Whether the run looks for a checkpoint to load: an explicit ``checkpoint.resume`` path, or ``latest``
     with saving on (``every > 0``)."""
@@ -863,9 +911,14 @@ class TrainCheckpointer:
         self.strategy.fit_resume_template(state["strategy"], {k.removeprefix("strategy.") for k in saved
                                                               if k.startswith("strategy.")})
         self.manager.load(info, state)
+        configured = _configured_hparams(self.strategy.optimizer, self.scheduler)
         self.strategy.load_state_dict(state["strategy"])
         trainer = pickle.loads(state["trainer"])
         self.scheduler.load_state_dict(trainer["scheduler"])
+        changed = _reapply_hparams(self.strategy.optimizer, self.scheduler, configured)
+        if changed and self.env.is_main:
+            print(f"lowband.train: resumed with this run's optimizer settings, not the checkpoint's: "
+                  f"{'; '.join(changed)} (the moments and step counts are the checkpoint's)", flush=True)
         loader_state = dict(trainer["loader"])
         if c.allow_data_change:  # the position carries over onto the new tokens
             loader_state.pop("n_tokens", None)

@@ -71,6 +71,20 @@ def test_resume_at_run_steps_is_a_notice_and_exit_0(saved: Path, tmp_path: Path)
     assert {n: (rd / n).read_bytes() for n in before} == before
 
 
+def test_a_resume_trains_with_its_own_optimizer_settings(saved: Path, tmp_path: Path) -> None:
+    """Resumed with another optim.lr and optim.weight_decay: the run trains with them, as its config.toml says
+    (the checkpoint's optimizer state once brought its own back silently), and says so."""
+    cwd = _copy(saved, tmp_path)
+    flags = ["--run.steps=3", "--checkpoint.every=1", "--optim.schedule=constant", "--optim.warmup_steps=0"]
+    proc = run_cli(cwd, *flags, "--optim.lr=0.0001", "--optim.weight_decay=0.5")
+    assert proc.returncode == 0, proc.stderr
+    notice = [ln for ln in proc.stdout.splitlines() if ln.startswith("lowband.train: resumed with this run's")]
+    assert len(notice) == 1 and "lr " in notice[0] and "-> 0.0001" in notice[0], proc.stdout
+    assert "group 0: weight_decay 0.0 -> 0.5" in notice[0], notice
+    rows = [json.loads(ln) for ln in (cwd / "runs" / "t" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in rows if r.get("step") == 3 and "lr" in r] == [0.0001]
+
+
 def test_a_torn_metrics_row_keeps_the_rows_around_it(saved: Path, tmp_path: Path) -> None:
     """A row cut short by a crash: the resumed run keeps every other earlier row (it once kept none)."""
     cwd = _copy(saved, tmp_path)
