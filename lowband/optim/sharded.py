@@ -99,6 +99,9 @@ members with equal steps. Frozen parameters (``requires_grad=False`` at construc
 every unit and never updated; frozen later, they get no gradient and are untouched; unfrozen later
 (their flag is set), ``step()`` raises ``ValueError`` naming the parameter on every rank alike, before
 any update. With ``lr = 0`` and zero gradients a step changes no parameter (checkpoint loaders rely on this).
+Parameters written in place between steps (``model.load_state_dict`` to roll back, ``p.mul_`` under ``no_grad``)
+are where the next step starts, also with an fp32 master: elements that no longer hold the master's rounding
+take the written value (:meth:`ShardedOptimizer._adopt_edits`, one compare of the owned slice per step).
 """
 
 from __future__ import annotations
@@ -1205,7 +1208,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return own
         if "master" not in state:
             state["master"] = own.to(acc).clone()
+        else:
+            self._adopt_edits(unit, own, state["master"])
         return state["master"]
+
+    def _adopt_edits(self, unit: _Unit, own: torch.Tensor, master: torch.Tensor) -> None:
+        """Elements of the owned slice that no longer hold what the last step left there (its master rounded
+        to the parameter dtype, or to the gather's wire dtype first) were written since by code outside the
+        optimizer (``model.load_state_dict`` to roll back, ``p.mul_`` under ``no_grad``, an EMA swap): their
+        master takes the written value, as torch's optimizers start the next step from the parameters as they
+        are. Local; no communication."""
+        stored = master.to(own.dtype)
+        edited = own != stored
+        wire = self._param_wire(unit)
+        if wire != own.dtype:
+            edited &= own != master.to(wire).to(own.dtype)
+        edited &= ~(own.isnan() & stored.isnan())
+        if bool(edited.any()):
+            master.copy_(torch.where(edited, own.to(master.dtype), master))
 
     def _new_adamw_state(self, unit: _Unit) -> dict[str, Any]:
         return {"steps": [0] * len(unit.params), "exp_avg": torch.zeros_like(unit.grad_shard),
