@@ -1,15 +1,16 @@
 """Checkpoint state of a TP model and its optimizer (TP-REKLS or AdamW on Megatron slices), TP-size independent.
 
-Public API: :class:`TPStateLayout` (``state_dict()`` / ``load_state_dict()`` / ``param_shapes()``),
-whose ``state_dict()`` is what ``torch.distributed.checkpoint`` (``dcp.save`` / ``dcp.load``) takes:
-it works with DCP and reshards across TP and DP sizes. Plain ``module.state_dict()`` of a multi-rank
-TP layer raises :class:`~lowband.parallel.tensor.TPStateError` instead of writing a slice under the
+Public API: :class:`TPStateLayout` (``state_dict()`` / ``load_state_dict()`` / ``fit_template()`` /
+``param_shapes()``), whose ``state_dict()`` is what ``torch.distributed.checkpoint`` (``dcp.save`` /
+``dcp.load``) takes: it works with DCP and reshards across TP and DP sizes. Plain ``module.state_dict()``
+of a multi-rank TP layer raises :class:`~lowband.parallel.tensor.TPStateError` instead of writing a slice under the
 dense name (and so does torch's ``get_state_dict`` on such a model).
 
 What :meth:`TPStateLayout.state_dict` returns (keys never depend on the rank, the TP size or the DP size; every
 tensor is in *canonical* coordinates, those of the dense single-device model)::
 
     model.<fqn>                       parameter (FQN of the model, no wrapper prefix)
+    model.<buffer fqn>                persistent module buffer (BatchNorm running stats, ...; replicated)
     optim.state.<fqn>.<key>           optimizer state of that parameter
     optim.param_groups.<g>.<hyper>    hyperparameters of param group g (lr, betas, ...; replicated)
 
@@ -34,6 +35,11 @@ Layouts (``T`` = TP size, ``E`` = ``n_embd``; mesh ``dp x tp``, TP innermost as 
 * AdamW state (TP-REKLS's AdamW path, or ``tp_optimizer = "adamw"``): ``exp_avg``/``exp_avg_sq`` with
   the parameter's layout; ``step`` an int (TP-REKLS) or a scalar tensor (torch AdamW).
 * Replicated parameters and their state: plain tensors (written once).
+* Module buffers: those ``model.state_dict()`` holds (torch's rule: ``persistent=False`` ones are left
+  out; TP never splits a buffer) as plain tensors (replicated, written once), under their state-dict
+  names. A checkpoint written before buffers were saved has none: :meth:`TPStateLayout.fit_template`
+  drops their keys from the load template so ``dcp.load`` does not stop at them, and
+  :meth:`TPStateLayout.load_state_dict` then leaves the buffers as they are.
 
 Parameters whose optimizer state does not exist yet get the state their optimizer would create
 (zeros, identity bases, step 0), so a template always has every key, and loading a never-stepped
@@ -68,6 +74,17 @@ def qkv_perm(e: int, t: int) -> torch.Tensor:
     return sections_perm(3 * e, 3, t)
 
 
+def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``model``'s buffers that its ``state_dict()`` holds (torch's rule: ``persistent=False`` ones and ``None``
+    are left out), by state-dict name, in module order."""
+    out = []
+    for mod_name, mod in model.named_modules():
+        for name, buf in mod._buffers.items():
+            if buf is not None and name not in mod._non_persistent_buffers_set:
+                out.append((f"{mod_name}.{name}" if mod_name else name, buf))
+    return out
+
+
 class TPStateLayout:
     """Converts a TP model's local state to DCP's canonical state and back (see the module docstring).
 
@@ -98,6 +115,11 @@ class TPStateLayout:
         self._perm: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------------------------ helpers
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The model's persistent buffers by state-dict name (read anew: a module may rebind a buffer)."""
+        return dict(persistent_buffers(self.model))
+
     def mesh(self):
         if self._mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
@@ -248,6 +270,7 @@ class TPStateLayout:
     def state_dict(self) -> dict[str, Any]:
         """Canonical state (see the module docstring); copies, so the caller may keep it."""
         model = {n: self._param_like_out(p, p) for n, p in self.params.items()}
+        model.update({n: b.detach().clone() for n, b in self.buffers.items()})
         optim: dict[str, Any] = {}
         for gi, pi, p in self._each_param():
             kind, full = self._kind(gi, pi, p)
@@ -257,11 +280,27 @@ class TPStateLayout:
         optim.update(group_hyperparams(self.optimizer.param_groups))
         return {"model": model, "optim": optim}
 
+    def fit_template(self, state: dict[str, Any], saved_keys: set[str]) -> list[str]:
+        """Fit a fresh :meth:`state_dict` (the load template) to a checkpoint written before module buffers
+        were saved: drop the ``model.<buffer>`` entries the checkpoint does not have (``saved_keys``: its
+        flattened DCP keys, relative to this state), so ``dcp.load`` does not stop at a missing key;
+        :meth:`load_state_dict` then leaves those buffers as they are. Returns the dropped keys. No
+        communication (every rank reads the same metadata and drops the same keys)."""
+        model = state.get("model", {})
+        dropped = [n for n in self.buffers if n in model and f"model.{n}" not in saved_keys]
+        for n in dropped:
+            del model[n]
+        return dropped
+
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Install a filled :meth:`state_dict` template: parameters, optimizer state, hyperparameters."""
+        """Install a filled :meth:`state_dict` template: parameters, persistent buffers (a buffer the
+        template lacks, see :meth:`fit_template`, is left as it is), optimizer state, hyperparameters."""
         for n, p in self.params.items():
             p.copy_(self._param_like_in(p, state["model"][n]))
+        for n, b in self.buffers.items():
+            if n in state["model"]:
+                b.copy_(state["model"][n])
         optim = state["optim"]
         for gi, pi, p in self._each_param():
             kind, full = self._kind(gi, pi, p)

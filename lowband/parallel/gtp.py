@@ -18,7 +18,13 @@ State layout (per rank, GTP group of N ranks):
   grads; not inside :meth:`GTPRuntime.no_sync`). The same all-reduce carries one *used* flag and one
   *non-finite* flag per GTP weight: a shard gradient holding inf/NaN on any rank then shows it on
   every rank, so ``torch.amp.GradScaler`` skips alike, as under DDP (:meth:`GTPRuntime.share_nonfinite`;
-  without trainable replicated parameters the flags travel alone);
+  without trainable replicated parameters the flags travel alone). Accumulation over backwards outside
+  ``no_sync``: mean mode re-averages the whole accumulated gradient, as DDP does (averaging is linear);
+  sum mode sends only what came since the last reduction (a tensor hook sets the reduced gradient aside
+  when the next backward first accumulates into it; ``.grad`` becomes that reduced gradient plus the
+  reduction of the new part), and nothing new for a gradient still as the last reduction wrote it (a
+  parameter unused since, or already reduced by a reentrant checkpoint's inner backward); a gradient
+  edited since (``zero_grad(set_to_none=False)``) or never reduced is sent whole;
 * optimizer state of a shard (a torch optimizer's moments: this rank's rows) is stamped with its GTP
   rank and size; loading another rank's (nanoGPT's resume: rank 0's ``opt.state_dict()`` loaded by
   every rank) is refused at the next ``step()`` on every rank (:func:`_check_optimizer_state`);
@@ -99,6 +105,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lowband.comm import Comm, CommHandle, finite_probe
 from lowband.comm.codecs import DEFAULT_BLOCK_SIZE, Codec, codec_all_reduce, codec_reduce_scatter, get_codec
@@ -338,6 +345,7 @@ class GTPRuntime:
         self._hooked: set[int] = set()
         self._no_sync_depth = 0
         self._grad_records: list[tuple[nn.Parameter, torch.Tensor, int]] = []
+        self._new_windows()
         _RUNTIMES.add(self)
         self.weights: list[GTPWeight] = []
         self.order: list[GTPWeight] = []
@@ -355,7 +363,10 @@ class GTPRuntime:
 
     # ------------------------------------------------------------------------------ replicated grads
     def attach(self, model: nn.Module) -> None:
-        """Average ``model``'s replicated gradients over the GTP group at the end of every backward.
+        """Average (sum mode: sum) ``model``'s replicated gradients over the GTP group at the end of every
+        backward. Registers two hooks on each trainable replicated parameter: a post-accumulate-grad hook
+        that queues the end-of-backward reduction, and a tensor hook that, in sum mode, sets an already reduced
+        gradient aside so that only new contributions are summed (see the module docstring).
 
         :func:`shard_linears` / :func:`shard_embeddings` attach the model they convert; call it
         yourself for a model built from :class:`GTPLinear` layers directly (or call
@@ -366,6 +377,7 @@ class GTPRuntime:
         for p in model.parameters():
             if not is_gtp_param(p) and p.requires_grad and id(p) not in self._hooked:
                 self._hooked.add(id(p))
+                p.register_hook(_window_hook(self, p))
                 p.register_post_accumulate_grad_hook(_queue_hook(self))
 
     def attached_replicated(self) -> list[nn.Parameter]:
@@ -382,7 +394,10 @@ class GTPRuntime:
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """As ``DistributedDataParallel.no_sync``: backwards inside accumulate the replicated gradients
-        locally (no all-reduce); the first backward after the context averages the accumulated sum.
+        locally (no all-reduce); the first backward after the context averages (sum mode: sums) the
+        accumulated sum (in sum mode only what came since the last reduction travels, see the module
+        docstring; inside the context ``.grad`` then holds that part alone, the earlier reduction is added
+        back by the reducing backward).
         GTP shard gradients are reduce-scattered in every backward regardless (that is how they are
         computed; the sum is the same)."""
         self._no_sync_depth += 1
@@ -391,6 +406,60 @@ class GTPRuntime:
         finally:
             self._no_sync_depth -= 1
 
+    # Sum mode sends each backward's new contributions only (see _reduce_replicated): per replicated parameter,
+    # _reduced: (weak reference to the .grad the last reduction wrote, its _version); _base: that reduced
+    # gradient, set aside (strong reference) while .grad collects a window's new contributions; _fresh: (weak
+    # reference to that .grad, its _version after autograd's last accumulation into it).
+    def _new_windows(self) -> None:
+        self._reduced: Any = WeakIdKeyDictionary()
+        self._base: Any = WeakIdKeyDictionary()
+        self._fresh: Any = WeakIdKeyDictionary()
+
+    @staticmethod
+    def _is(rec: tuple[weakref.ref, int] | None, g: torch.Tensor | None) -> bool:
+        return rec is not None and g is not None and rec[0]() is g and g._version == rec[1]
+
+    def _before_accumulate(self, p: nn.Parameter) -> None:
+        """Tensor hook of an attached replicated parameter, before autograd accumulates into ``p.grad``
+        (sum mode): if ``p.grad`` is still the gradient the last reduction wrote, set it aside so that
+        ``.grad`` collects this window's new contributions alone (exactly what the next reduction sends)."""
+        if self.options.grad_mode != "sum":
+            return
+        g = p.grad
+        if p in self._base:
+            if not self._is(self._fresh.get(p), g):  # replaced or edited since autograd wrote it: local now
+                del self._base[p]
+                self._fresh.pop(p, None)
+            return
+        if self._is(self._reduced.get(p), g):
+            self._base[p] = g
+            p.grad = None
+
+    def _after_accumulate(self, p: nn.Parameter) -> None:
+        """Post-accumulate hook of an attached replicated parameter: queue the end-of-backward reduction;
+        remember the version autograd left a window's gradient at (a later edit is then seen)."""
+        self._queue_end()
+        if p in self._base and p.grad is not None:
+            self._fresh[p] = (weakref.ref(p.grad), p.grad._version)
+
+    def _sum_plan(self, params: list[nn.Parameter]) -> dict[int, tuple[torch.Tensor | None, torch.Tensor]]:
+        """Per parameter whose ``.grad`` holds an earlier reduction's result: ``(what to send, that result)``.
+        A window of new contributions sends them; a reduced gradient nothing new got into sends nothing
+        (used flag 0); a parameter left out (never reduced, or its gradient edited since) sends its ``.grad``."""
+        plan: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        for p in params:
+            if not p.requires_grad:
+                continue
+            g = p.grad
+            base = self._base.pop(p, None)
+            fresh = self._fresh.pop(p, None)
+            if base is not None:
+                if self._is(fresh, g):
+                    plan[id(p)] = (g, base)
+            elif self._is(self._reduced.get(p), g):
+                plan[id(p)] = (None, g)
+        return plan
+
     def _queue_end(self) -> None:
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
@@ -398,6 +467,7 @@ class GTPRuntime:
 
     def _reduce_replicated(self, params: list[nn.Parameter]) -> None:
         op = "avg" if self.options.grad_mode == "mean" else "sum"
+        plan = self._sum_plan(params) if op == "sum" else None
         weights = self.weights
         local = self._nonfinite_local() if self.options.share_nonfinite and self.size > 1 and weights else None
         try:
@@ -406,13 +476,19 @@ class GTPRuntime:
             direct = [gw.read_direct for gw in weights]
             res = _reduce_grads(self.comm, params, op, tag="gtp:replicated", wire_dtype=wire,  # type: ignore[arg-type]
                                 extra_flags=[gw.used for gw in weights] + direct, extra_tensor=local,
-                                codec=codec)
+                                codec=codec, plan=plan)
         except RuntimeError as e:
             raise GTPCollectiveError(
                 f"GTP: the all-reduce of the replicated gradients over group {self.comm.name!r} (size "
                 f"{self.size}) failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}. Every rank "
                 "of the GTP group must run the same forwards and backwards of a GTP model, using the same "
                 "GTP layers") from e
+        if op == "sum":  # what this reduction wrote: a later backward adds to it (see _before_accumulate)
+            for p in params:
+                if p.requires_grad and p.grad is not None:
+                    self._reduced[p] = (weakref.ref(p.grad), p.grad._version)
+                else:
+                    self._reduced.pop(p, None)
         if res is None:  # no trainable replicated parameter and no flags to share: nothing sent
             self._check_direct_reads(direct)
             return
@@ -553,6 +629,7 @@ class GTPRuntime:
         new._callback_queued, new._post_drain_hooks, new.passes = False, [], 0
         new._models, new._hooked, new._grad_records = [], set(), []
         new._no_sync_depth, new._local_state_depth = 0, 0
+        new._new_windows()
         _RUNTIMES.add(new)
         for m in self._models:
             if id(m) in memo:
@@ -942,10 +1019,23 @@ _RUNTIMES: weakref.WeakSet[GTPRuntime] = weakref.WeakSet()
 def _queue_hook(runtime: GTPRuntime) -> Callable[[torch.Tensor], None]:
     ref = weakref.ref(runtime)
 
-    def hook(_p: torch.Tensor) -> None:
+    def hook(p: torch.Tensor) -> None:
         rt = ref()
         if rt is not None:
-            rt._queue_end()
+            rt._after_accumulate(p)
+
+    return hook
+
+
+def _window_hook(runtime: GTPRuntime, param: nn.Parameter) -> Callable[[torch.Tensor], None]:
+    """Tensor hook of an attached replicated parameter (runs before autograd accumulates into its
+    ``.grad``): :meth:`GTPRuntime._before_accumulate`. Weak references: the hook keeps neither alive."""
+    rt_ref, p_ref = weakref.ref(runtime), weakref.ref(param)
+
+    def hook(_grad: torch.Tensor) -> None:
+        rt, p = rt_ref(), p_ref()
+        if rt is not None and p is not None:
+            rt._before_accumulate(p)
 
     return hook
 
@@ -1525,8 +1615,9 @@ def reduce_grads(comm: Comm, params: Iterable[torch.Tensor], op: str = "avg", *,
 
 def _reduce_grads(comm: Comm, params: Iterable[torch.Tensor], op: str, *, tag: str,
                   wire_dtype: torch.dtype | None, extra_flags: list[bool] | None = None,
-                  extra_tensor: torch.Tensor | None = None,
-                  codec: Codec | None = None) -> tuple[list[bool], list[bool], list[bool]] | None:
+                  extra_tensor: torch.Tensor | None = None, codec: Codec | None = None,
+                  plan: dict[int, tuple[torch.Tensor | None, torch.Tensor]] | None = None,
+                  ) -> tuple[list[bool], list[bool], list[bool]] | None:
     """:func:`reduce_grads`; ``extra_flags`` (one bool per item, this rank's) and ``extra_tensor`` (a 1-D
     tensor of 0/1 flags, this rank's, left on its device: no host sync before the collective) travel
     in the first dtype's all-reduce too. With no trainable parameter, an ``extra_tensor`` still travels
@@ -1535,8 +1626,19 @@ def _reduce_grads(comm: Comm, params: Iterable[torch.Tensor], op: str, *, tag: s
     :func:`~lowband.comm.codecs.codec_all_reduce` and every flag through an exact float32 all-reduce of its own.
     Returns ``(mixed, anywhere, set_anywhere)``: per extra flag whether it was set on some ranks but not all,
     per element of ``extra_tensor`` whether it was set on any rank, and per extra flag whether it was set on any
-    rank; or ``None`` if no all-reduce ran."""
+    rank; or ``None`` if no all-reduce ran.
+
+    ``plan`` (GTP's sum mode, :meth:`GTPRuntime._reduce_replicated`): ``{id(p): (send, base)}`` for parameters
+    whose ``.grad`` holds an earlier reduction's result ``base``: ``send`` (the contributions since, or ``None``:
+    none, used flag 0) travels instead of ``.grad``, and ``.grad`` becomes ``base`` plus the reduced value
+    (``base`` itself, added into in place; left as ``base`` when no rank sent anything). The collective is
+    the same (the same parameters in the same order)."""
     params = [p for p in params if p.requires_grad]
+    plan = plan or {}
+
+    def sent(p: torch.Tensor) -> torch.Tensor | None:
+        return plan[id(p)][0] if id(p) in plan else p.grad
+
     if not params and extra_tensor is None:
         return None
     dtypes = sorted({p.dtype for p in params}, key=str) or [torch.float32]
@@ -1548,7 +1650,7 @@ def _reduce_grads(comm: Comm, params: Iterable[torch.Tensor], op: str, *, tag: s
         group = [p for p in params if p.dtype == dtype]
         first = di == 0
         extra = list(extra_flags or []) if first else []
-        flags = [p.grad is not None for p in group] + extra
+        flags = [sent(p) is not None for p in group] + extra
         n_t = n_tensor if first else 0
         numel = sum(p.numel() for p in group)
         device = group[0].device if group else extra_tensor.device  # type: ignore[union-attr]
@@ -1556,10 +1658,11 @@ def _reduce_grads(comm: Comm, params: Iterable[torch.Tensor], op: str, *, tag: s
         off = 0
         for p in group:
             n = p.numel()
-            if p.grad is None:
+            g = sent(p)
+            if g is None:
                 flat[off:off + n].zero_()
             else:
-                flat[off:off + n].copy_(p.grad.reshape(-1))
+                flat[off:off + n].copy_(g.reshape(-1))
             off += n
         if flags:
             flat[numel:numel + len(flags)].copy_(torch.tensor(flags, dtype=dtype))
@@ -1591,12 +1694,17 @@ def _reduce_grads(comm: Comm, params: Iterable[torch.Tensor], op: str, *, tag: s
         off = 0
         for p, u in zip(group, used, strict=True):
             n = p.numel()
+            base = plan[id(p)][1] if id(p) in plan else None
             if u:
                 g = flat[off:off + n].view_as(p)
-                if p.grad is None:
+                if base is not None:  # the earlier reduction's result plus this one's
+                    p.grad = base.add_(g)
+                elif p.grad is None:
                     p.grad = g.clone()
                 else:
                     p.grad.copy_(g)
+            elif base is not None:
+                p.grad = base
             off += n
     note_grads(params)
     return mixed, anywhere, set_anywhere

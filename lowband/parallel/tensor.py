@@ -39,7 +39,10 @@ all-gathers copy the local piece once more).
 
 Initialization: the dense weight is drawn like ``torch.nn.Linear`` from the global RNG (or the given
 generator) and sliced, so every TP rank must be in the same RNG state (``torch.manual_seed`` with the
-same seed) to build the same dense layer; :meth:`from_dense` slices an existing ``nn.Linear``.
+same seed) to build the same dense layer; :meth:`from_dense` slices an existing ``nn.Linear``: into new
+parameters, or (``adopt=True``, what :func:`~lowband.parallel.tp_shard.shard_tp` does) into the linear's own
+``Parameter`` objects (:func:`adopt_slice`: ``.data`` re-pointed to the slice), so an optimizer built before
+sharding trains the slices.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from torch import nn
 from lowband.comm import Comm
 from lowband.comm.opaque import opaque
 from lowband.parallel.dense import dense_linear, gather_tp
-from lowband.parallel.tp_grads import is_tp_slice, track
+from lowband.parallel.tp_grads import is_tp_slice, note_adopted, track
 from lowband.sharding import PLACEMENT_ATTR, Placement, Split, cut_of, place, placement_of
 
 _LOCAL_STATE = [0]
@@ -151,6 +154,28 @@ def mark_partition(param: nn.Parameter, partition_dim: int | None, tp_comm: Comm
     else:
         setattr(param, PLACEMENT_ATTR, inner.with_outer(cut, full_shape))
     track(param)
+    return param
+
+
+def adopt_slice(param: nn.Parameter, local: torch.Tensor, partition_dim: int, tp_comm: Comm,
+                full_shape: tuple[int, ...]) -> nn.Parameter:
+    """Make the user's dense ``param`` this rank's TP slice ``local`` (a part of its own values) in place:
+    its ``.grad`` dropped (it has the dense shape), its ``.data`` re-pointed to a copy of ``local``, its layout
+    recorded (:func:`mark_partition`: watched even while frozen, as a fresh slice is, so unfreezing it later
+    is seen). The ``Parameter`` object, its ``requires_grad`` and its other attributes stay, so an optimizer
+    that already holds it steps the slice. Optimizer state it already holds has the dense shape: the next
+    ``step()`` of that optimizer refuses it (:class:`~lowband.parallel.tp_grads.TPOptimizerStateError`)."""
+    dense_shape = tuple(param.shape)
+    param.grad = None
+    param.data = local.clone(memory_format=torch.contiguous_format)
+    frozen = not param.requires_grad
+    param.requires_grad_(True)
+    try:
+        mark_partition(param, partition_dim, tp_comm, full_shape)
+    finally:
+        param.requires_grad_(not frozen)
+    if tuple(param.shape) != dense_shape:
+        note_adopted(param, dense_shape)
     return param
 
 
@@ -401,11 +426,22 @@ class ColumnParallelLinear(_CopyKeepsLayout, nn.Module):
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, tp_comm: Comm | None = None, *,
-                   gather_output: bool = False) -> ColumnParallelLinear:
-        """This rank's slice of an existing dense ``nn.Linear`` (same on every TP rank)."""
+                   gather_output: bool = False, adopt: bool = False) -> ColumnParallelLinear:
+        """This rank's slice of an existing dense ``nn.Linear`` (same on every TP rank): new parameters
+        (``linear`` is left untouched), or with ``adopt=True`` (what :func:`~lowband.parallel.tp_shard.shard_tp`
+        does) ``linear``'s own ``Parameter`` objects, their ``.data`` re-pointed to this rank's rows (see
+        :func:`adopt_slice`), so an optimizer built before sharding trains them (``linear`` must not be used
+        afterwards)."""
         layer = cls(linear.in_features, linear.out_features, tp_comm, bias=linear.bias is not None,
                     gather_output=gather_output, dtype=linear.weight.dtype, device=linear.weight.device)
         n, r = layer.tp_comm.size, layer.tp_comm.rank
+        if adopt:
+            full = (linear.out_features, linear.in_features)
+            layer.weight = adopt_slice(linear.weight, linear.weight.detach().chunk(n, 0)[r], 0, layer.tp_comm, full)
+            if linear.bias is not None:
+                layer.bias = adopt_slice(linear.bias, linear.bias.detach().chunk(n, 0)[r], 0, layer.tp_comm,
+                                         (linear.out_features,))
+            return layer
         with torch.no_grad():
             layer.weight.copy_(linear.weight.chunk(n, 0)[r])
             if linear.bias is not None:
@@ -482,12 +518,22 @@ class RowParallelLinear(_CopyKeepsLayout, nn.Module):
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, tp_comm: Comm | None = None, *,
-                   input_is_parallel: bool = True) -> RowParallelLinear:
-        """This rank's slice of an existing dense ``nn.Linear`` (same on every TP rank)."""
+                   input_is_parallel: bool = True, adopt: bool = False) -> RowParallelLinear:
+        """This rank's slice of an existing dense ``nn.Linear`` (same on every TP rank): new parameters
+        (``linear`` is left untouched), or with ``adopt=True`` (what :func:`~lowband.parallel.tp_shard.shard_tp`
+        does) ``linear``'s own ``Parameter`` objects: the weight's ``.data`` re-pointed to this rank's columns
+        (see :func:`adopt_slice`), the replicated bias the same object, so an optimizer built before sharding
+        trains them (``linear`` must not be used afterwards)."""
         layer = cls(linear.in_features, linear.out_features, tp_comm, bias=linear.bias is not None,
                     input_is_parallel=input_is_parallel, dtype=linear.weight.dtype,
                     device=linear.weight.device)
         n, r = layer.tp_comm.size, layer.tp_comm.rank
+        if adopt:
+            full = (linear.out_features, linear.in_features)
+            layer.weight = adopt_slice(linear.weight, linear.weight.detach().chunk(n, 1)[r], 1, layer.tp_comm, full)
+            if linear.bias is not None:
+                layer.bias = linear.bias  # replicated: the user's own object, unchanged
+            return layer
         with torch.no_grad():
             layer.weight.copy_(linear.weight.chunk(n, 1)[r])
             if linear.bias is not None:

@@ -43,6 +43,14 @@ itself when not flagged), so a CUDA stream runs on into the optimizer step.
 (then no collective runs if none is left). Without a GradScaler a non-finite gradient makes the
 update non-finite anyway; the NaN lands in one more element of it.
 
+**Optimizer state of the dense shape.** :func:`~lowband.parallel.tp_shard.shard_tp` keeps the user's
+``Parameter`` objects (their ``.data`` becomes the slice), so an optimizer built before sharding steps the
+slices. If that optimizer already holds state for such a parameter (it stepped, or loaded a state, before
+sharding), the state has the dense shape; the same step pre-hook refuses it (:class:`TPOptimizerStateError`,
+nothing stepped, on every rank of the TP group alike, since every rank's state has the same shapes) when every
+non-scalar tensor of the parameter's state has the dense shape (an elementwise optimizer's moments; TP-REKLS
+state, whose factors have other shapes, passes). ``optimizer.state.clear()`` starts the slices afresh.
+
 GTP shards (a ``"gtp"`` cut) are left to GTP's own check and sharing
 (:meth:`lowband.parallel.gtp.GTPRuntime.check_grad_edits`, ``share_nonfinite``); a TP group of one
 rank is left alone. Every rank of a TP group must run the same TP layers in the same backward (as the
@@ -68,6 +76,10 @@ class TPGradEditError(RuntimeError):
     """Code outside lowband changed a tensor-parallel gradient between backward and ``optimizer.step()``."""
 
 
+class TPOptimizerStateError(RuntimeError):
+    """An optimizer holds state of a parameter's dense shape for the TP slice it became (:func:`note_adopted`)."""
+
+
 # Keyed by identity (a tensor's == is elementwise): param -> (weak reference to the .grad autograd or
 # lowband wrote, that tensor's _version); and the parameters that carry the hook.
 _RECORDS = WeakIdKeyDictionary()
@@ -76,6 +88,7 @@ _HOOKED = WeakIdKeyDictionary()
 _BY_COMM: dict[int, tuple[object, list[weakref.ref]]] = {}
 _FIRED: dict[int, None] = {}  # the TP groups whose slices autograd accumulated into in this backward
 _QUEUED = [-1]  # the graph task whose end runs _share_nonfinite
+_ADOPTED = WeakIdKeyDictionary()  # a user's parameter made a TP slice in place -> its dense shape before
 
 
 def is_tp_slice(p: torch.Tensor) -> bool:
@@ -160,6 +173,29 @@ def track(param: torch.Tensor) -> None:
     _BY_COMM.setdefault(id(comm), (comm, []))[1].append(weakref.ref(param))
 
 
+def note_adopted(param: torch.Tensor, dense_shape: tuple[int, ...]) -> None:
+    """``param`` was a dense parameter of shape ``dense_shape`` and now holds a TP slice of another shape
+    (:func:`~lowband.parallel.tensor.adopt_slice`): an optimizer step over it whose state for it is an
+    elementwise optimizer's state of the dense shape (every non-scalar state tensor of ``dense_shape``:
+    the optimizer stepped, or loaded a state, before sharding) raises :class:`TPOptimizerStateError`."""
+    _ADOPTED[param] = tuple(dense_shape)
+
+
+def _check_adopted_state(optimizer: torch.optim.Optimizer) -> None:
+    for p in _optimizer_params(optimizer):
+        dense = _ADOPTED.get(p)
+        st = optimizer.state.get(p) if dense is not None else None
+        if not st:
+            continue
+        shaped = [tuple(v.shape) for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        if shaped and all(s == dense for s in shaped):
+            raise TPOptimizerStateError(
+                f"tensor parallelism: {type(optimizer).__name__} holds state ({', '.join(sorted(st))}) of dense "
+                f"shape {dense} for {_name(p)}, now this rank's slice of shape {tuple(p.shape)}: the optimizer "
+                "stepped (or loaded a state) before shard_tp; build its state after sharding (an optimizer "
+                "built before shard_tp but first stepped after it is fine), or clear it: optimizer.state.clear()")
+
+
 def note_tp_grads(params: Iterable[torch.Tensor]) -> None:
     """lowband code rewrote the ``.grad`` of ``params``: make their current gradients the recorded ones."""
     for p in params:
@@ -179,6 +215,8 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor
 
 
 def _step_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if _ADOPTED:
+        _check_adopted_state(optimizer)
     if not _RECORDS:
         return
     for p in _optimizer_params(optimizer):

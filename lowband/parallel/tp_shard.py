@@ -9,6 +9,14 @@ of every section, ``granule`` rows kept together, e.g. whole heads), ``row`` one
 together). Biases follow the layout (column: sliced like the rows; row: replicated, added after the
 reduction). Everything else stays replicated.
 
+Parameter identity: the TP layers keep the user's ``Parameter`` objects (``from_dense(..., adopt=True)``,
+:func:`~lowband.parallel.tensor.adopt_slice`): a split weight's or bias's ``.data`` becomes this rank's
+slice (its ``.grad`` dropped), a row-parallel bias is the same object, unchanged; ``requires_grad`` stays. So an
+optimizer built before ``shard_tp`` (nanoGPT's order) trains every tensor, exactly as one built after. It must
+not have stepped yet: state of a dense shape (an elementwise optimizer's moments) is refused at its next
+``step()`` on every rank, naming the parameter (:class:`~lowband.parallel.tp_grads.TPOptimizerStateError`).
+The replaced ``nn.Linear`` modules must not be used afterwards (their parameters are the slices).
+
 State layout per TP rank ``r`` of ``T``: column weight rows ``[r*out/T, (r+1)*out/T)`` of the
 (section-permuted) dense weight, its bias the same rows; row weight columns ``[r*in/T, (r+1)*in/T)``,
 its bias whole. Each slice carries its :class:`~lowband.sharding.Placement` (the dense shape, the ``"tp"`` cut
@@ -17,7 +25,8 @@ with its sections and group, the parameter's name; see :mod:`lowband.parallel.te
 Checks (before any collective, the same on every rank since they depend only on the model and the
 plan): ``plan.check_tp(T)``; every planned module exists and is an ``nn.Linear``; divisibility of
 each split by ``T * granule`` (per section); no planned linear shares a parameter with another module
-(tied weights: TP would untie them; refused by name).
+(tied weights: TP would untie them; refused by name); no planned linear's parameter is already sharded
+(carries a placement).
 
 Communication: the initial-weight agreement (:mod:`lowband.parallel.init_sync`: by default one
 broadcast per dtype from rank 0 of ``sync_comm``, default the TP group), then none; the layers'
@@ -32,6 +41,7 @@ from lowband.comm import Comm
 from lowband.parallel.init_sync import check_module_state, sync_module_state
 from lowband.parallel.tensor import ColumnParallelLinear, RowParallelLinear, permute_sections, set_tp_layout
 from lowband.plan import ModelPlan, ParallelLinear, tied_names
+from lowband.sharding import placement_of
 
 
 def _check_linear(model: nn.Module, pl: ParallelLinear, tp: int) -> nn.Linear:
@@ -51,6 +61,10 @@ def _check_linear(model: nn.Module, pl: ParallelLinear, tp: int) -> nn.Linear:
     elif mod.in_features % (tp * pl.granule):
         raise ValueError(f"shard_tp: row-parallel {pl.module!r}: in_features {mod.in_features} must split into "
                          f"TP {tp} parts of whole granules of {pl.granule} columns")
+    for pn, p in mod.named_parameters(recurse=False):
+        if placement_of(p) is not None:
+            raise ValueError(f"shard_tp: {pl.module}.{pn} is already sharded (it carries a placement); shard_tp "
+                             "takes the dense model")
     tied = tied_names(model)
     for pn in ("weight", "bias"):
         others = [n for n in tied.get(f"{pl.module}.{pn}", []) if n != f"{pl.module}.{pn}"]
@@ -104,26 +118,19 @@ def shard_tp(model: nn.Module, plan: ModelPlan, comm: Comm, *, init_sync: bool =
     for pl in plan.parallel_linears:
         dense = mods[pl.module]
         if pl.style == "column":
-            if pl.sections > 1:
-                src = nn.Linear(dense.in_features, dense.out_features, bias=dense.bias is not None,
-                                dtype=dense.weight.dtype, device=dense.weight.device)
-                src.weight.data.copy_(permute_sections(dense.weight.detach(), pl.sections, tp))
+            if pl.sections > 1:  # the fused rows in TP order, then sliced (the user's tensors, in place)
+                dense.weight.data = permute_sections(dense.weight.detach(), pl.sections, tp)
                 if dense.bias is not None:
-                    src.bias.data.copy_(permute_sections(dense.bias.detach(), pl.sections, tp))
-            else:
-                src = dense
-            layer: nn.Module = ColumnParallelLinear.from_dense(src, comm)
+                    dense.bias.data = permute_sections(dense.bias.detach(), pl.sections, tp)
+            layer: nn.Module = ColumnParallelLinear.from_dense(dense, comm, adopt=True)
         else:
-            layer = RowParallelLinear.from_dense(dense, comm)
-        layer.weight.requires_grad_(dense.weight.requires_grad)
+            layer = RowParallelLinear.from_dense(dense, comm, adopt=True)
         layer.tp_name = pl.module  # named in the TP agreement error (lowband.parallel.tensor)
         for pname, p in layer.named_parameters(recurse=False):
             # the placement's name is used in TPGradEditError (lowband.parallel.tp_grads); sections: fused rows
             set_tp_layout(p, sections=pl.sections if pl.style == "column" else 1, name=f"{pl.module}.{pname}")
             p.tp_check_grad_edits = check_grad_edits
             p.tp_share_nonfinite = share_nonfinite
-        if dense.bias is not None:
-            layer.bias.requires_grad_(dense.bias.requires_grad)
         parent_name, _, child = pl.module.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
         out[pl.module] = layer

@@ -201,3 +201,103 @@ def test_tp_nonfinite_step_is_skipped_on_every_rank(shard: str, tmp_path: Path) 
         assert lr_keys  # the LR schedule advances over a skipped step; everything else is untouched
         assert_same_state(*({k: v for k, v in st.items() if k not in lr_keys}
                             for st in (out[r]["state"], at2[r]["state"])))
+
+
+def _bn_model(seed: int):
+    """A TP model with persistent buffers (BatchNorm running stats) and a non-persistent one, its AdamW."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from lowband.comm import Comm
+    from lowband.parallel import shard_tp
+    from lowband.plan import ModelPlan, ParallelLinear
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.proj = nn.Linear(6, 8, dtype=torch.float64), nn.Linear(8, 6, dtype=torch.float64)
+            self.bn = nn.BatchNorm1d(6, dtype=torch.float64)
+            self.register_buffer("scratch", torch.zeros(3, dtype=torch.float64), persistent=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.bn(self.proj(F.gelu(self.fc(x))))
+
+    torch.manual_seed(seed)
+    m = M()
+    plan = ModelPlan(parallel_linears=(ParallelLinear("fc", "column"), ParallelLinear("proj", "row")))
+    shard_tp(m, plan, Comm(name="tp"))
+    return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+
+def _tp_state_buffers(path: str) -> dict:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from lowband.optim.tp_state import TPStateLayout
+
+    world = dist.get_world_size()
+    g = torch.Generator().manual_seed(1)
+    m1, o1 = _bn_model(0)
+    for _ in range(2):
+        x = torch.randn(8, 6, generator=g, dtype=torch.float64)
+        m1(x).square().mean().backward()
+        o1.step()
+        o1.zero_grad()
+    m1.scratch.fill_(7.0)
+    saved = TPStateLayout(m1, o1, world, 1).state_dict()
+    keys = sorted(saved["model"])
+    dcp.save(saved, checkpoint_id=f"{path}/new")
+    old = {"model": {k: v for k, v in saved["model"].items() if not k.startswith("bn.running")
+                     and k != "bn.num_batches_tracked"}, "optim": saved["optim"]}
+    dcp.save(old, checkpoint_id=f"{path}/old")  # the form written before buffers were saved
+
+    m2, o2 = _bn_model(5)
+    lay = TPStateLayout(m2, o2, world, 1)
+    sd = lay.state_dict()
+    dcp.load(sd, checkpoint_id=f"{path}/new")
+    lay.load_state_dict(sd)
+    bufs = {n: (b.clone(), dict(m1.named_buffers())[n].clone()) for n, b in m2.named_buffers()}
+    xe = torch.randn(4, 6, generator=g, dtype=torch.float64)
+    m1.eval(), m2.eval()
+    with torch.no_grad():
+        fwd = (m2(xe), m1(xe))
+
+    m3, o3 = _bn_model(5)
+    fresh = {n: b.clone() for n, b in m3.named_buffers()}
+    lay3 = TPStateLayout(m3, o3, world, 1)
+    sd3 = lay3.state_dict()
+    try:
+        dcp.load(sd3, checkpoint_id=f"{path}/old")
+        strict = "loaded"
+    except CheckpointException as e:  # a BaseException: DCP's wrapper of every rank's error
+        strict = str(e)
+    sd3 = lay3.state_dict()
+    saved_keys = set(dcp.FileSystemReader(f"{path}/old").read_metadata().state_dict_metadata)
+    dropped = lay3.fit_template(sd3, saved_keys)
+    dcp.load(sd3, checkpoint_id=f"{path}/old")
+    lay3.load_state_dict(sd3)
+    same_w = torch.equal(m3.fc.weight, m1.fc.weight) and torch.equal(m3.bn.weight, m1.bn.weight)
+    kept = all(torch.equal(b, fresh[n]) for n, b in m3.named_buffers())
+    return {"keys": keys, "bufs": bufs, "fwd": fwd, "strict": strict, "dropped": sorted(dropped),
+            "old_same_w": same_w, "old_kept_buffers": kept}
+
+
+def test_tp_state_layout_saves_and_loads_persistent_buffers(tmp_path: Path) -> None:
+    """TPStateLayout holds the model's persistent buffers (torch state_dict semantics: the non-persistent
+    ``scratch`` is left out) as replicated plain tensors, so a resumed BatchNorm has the saved running
+    stats; a checkpoint written without buffer keys loads through fit_template (buffers left as they are)."""
+    out = run_ranks(_tp_state_buffers, 2, str(tmp_path))
+    for r in out:
+        assert r["keys"] == ["bn.bias", "bn.num_batches_tracked", "bn.running_mean", "bn.running_var", "bn.weight",
+                             "fc.bias", "fc.weight", "proj.bias", "proj.weight"]
+        for n, (got, want) in r["bufs"].items():
+            if n == "scratch":
+                assert torch.equal(got, torch.zeros(3, dtype=torch.float64))  # not saved, not loaded
+            else:
+                assert torch.equal(got, want), n
+        assert int(r["bufs"]["bn.num_batches_tracked"][0]) == 2
+        torch.testing.assert_close(*r["fwd"], rtol=0, atol=0)  # same state, same arithmetic: bitwise
+        assert "bn.running_mean" in r["strict"]  # a template with buffer keys stops at the old checkpoint
+        assert r["dropped"] == ["bn.num_batches_tracked", "bn.running_mean", "bn.running_var"]
+        assert r["old_same_w"] and r["old_kept_buffers"]

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from lowband.comm import default_ledger, ring_wire_bytes
@@ -861,3 +862,73 @@ def test_a_weight_read_outside_its_layer_is_refused_on_every_rank(world: int, bi
         step, msg = r["error"]
         assert step == 1
         assert "['wpe', 'head']" in msg and "'tok'" not in msg and "outside their GTP layer" in msg
+
+
+# ------------------------------------------------------------- sum mode: accumulation without no_sync
+
+
+class _SumNet(nn.Module):
+    """``head(blk(gate * inp(x)))``: ``gate`` (replicated) is used on request only; ``tail = [blk, head]`` runs
+    under a reentrant ``torch.utils.checkpoint`` on request (its inner backward runs first and ends alone)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, 6)
+        self.gate = nn.Parameter(torch.linspace(0.5, 1.5, 6))
+        self.tail = nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+
+    def forward(self, x: torch.Tensor, use_gate: bool, reentrant: bool) -> torch.Tensor:
+        h = self.inp(x)
+        if use_gate:
+            h = h * self.gate
+        if reentrant:
+            return torch.utils.checkpoint.checkpoint(self.tail, h, use_reentrant=True)
+        return self.tail(h)
+
+
+def _sum_accumulate(case: str) -> dict:
+    """Two microbatches per rank, both backwards outside ``no_sync``, sum loss; the gradients against the
+    single-process full-batch sum-loss gradient. ``case``: ``plain``; ``unused`` (``gate`` used in microbatch
+    1 only: reduced there, then untouched); ``reentrant`` (a reentrant checkpoint: its inner backward ends first
+    and reduces the tail's replicated gradients, the outer end reduces again; gate used in both);
+    ``reentrant-1`` (the same with one microbatch)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = _SumNet().double()
+    model = copy.deepcopy(ref)
+    rt = GTPRuntime(build_mesh(gtp=world, timeout=None).gtp, GTPOptions(grad_mode="sum"))
+    shard_linears(model, rt)
+    g = torch.Generator().manual_seed(1)
+    micro, per = (1 if case == "reentrant-1" else 2), 3
+    X = torch.randn(world, micro, per, 5, generator=g, dtype=torch.float64)
+    Y = torch.randn(world, micro, per, 3, generator=g, dtype=torch.float64)
+    gate_in = [True, case != "unused"][:micro]
+    reentrant = case.startswith("reentrant")
+    for m in range(micro):
+        out = model(X[rank, m], gate_in[m], reentrant)
+        F.mse_loss(out, Y[rank, m], reduction="sum").backward()
+    loss = sum(F.mse_loss(ref(X[r, m], gate_in[m], False), Y[r, m], reduction="sum")
+               for r in range(world) for m in range(micro))
+    loss.backward()
+    got, want = {}, {}
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        gw = getattr(p, "gtp", None)
+        if gw is None:
+            got[n], want[n] = p.grad.clone(), q.grad.clone()
+        else:  # this rank's rows of the dense gradient (pad rows zero)
+            full = torch.zeros(gw.padded_out, gw.in_features, dtype=torch.float64)
+            full[: gw.out_features] = q.grad
+            got[n], want[n] = p.grad.clone(), full[gw.shard_slice]
+    return {"got": got, "want": want}
+
+
+@pytest.mark.parametrize("case", ["plain", "unused", "reentrant", "reentrant-1"])
+def test_sum_mode_accumulation_without_no_sync_is_exact(case: str) -> None:
+    """grad_mode="sum" with backwards outside ``no_sync``: every gradient equals the full-batch sum-loss
+    gradient (a replicated gradient reduced by an earlier backward end was summed again: ``N * sum(g1) +
+    sum(g2)``). Tolerance: float64 sums
+    of at most 2 ranks x 2 microbatches x 3 rows x 6 features in other orders, O(k eps64) relative, k <= 10^2."""
+    tol = 1e2 * torch.finfo(torch.float64).eps
+    for r in run_ranks(_sum_accumulate, 2, case):
+        for n, want in r["want"].items():
+            torch.testing.assert_close(r["got"][n], want, rtol=tol, atol=tol * want.abs().max().item(), msg=n)

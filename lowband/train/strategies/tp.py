@@ -149,5 +149,10 @@ class TPStrategy(Strategy):
     def load_state_dict(self, state: dict) -> None:
         self._ckpt_layout().load_state_dict(state)
 
+    def fit_resume_template(self, state: dict, saved_keys: set[str]) -> None:
+        """Checkpoints written before :class:`~lowband.optim.tp_state.TPStateLayout` saved module buffers load
+        without them (:meth:`~lowband.optim.tp_state.TPStateLayout.fit_template`)."""
+        self._ckpt_layout().fit_template(state, saved_keys)
+
     def param_shapes(self) -> dict[str, tuple[list[int], str]]:
         return self._ckpt_layout().param_shapes()
