@@ -31,12 +31,14 @@ Communication pattern (per step, per unit, N = data-parallel world size; see
 3. **Next forward.** ``param_gather="step"`` (default) waits for every all-gather at the end of
    ``step()``. ``param_gather="forward"`` (needs ``module=``) returns from ``step()`` with the gathers
    in flight and waits per unit in a forward pre-hook of each module that owns a member directly,
-   i.e. just before first use; the next ``step()``, ``state_dict()`` and :meth:`wait_for_params`
-   also wait. A parameter read outside the forward of a module that owns it (``self.wpe.weight[:T]``,
-   another module's weight passed to ``F.linear``) is spotted in backward, when it gets a gradient and
-   none of its owners ran: its unit is then waited for by a pre-hook of ``module`` itself, at the start
-   of every forward. Reads of that kind present from the first step are learned there (nothing is in
-   flight then) and are exact; one that first appears while its all-gather is in flight is refused by
+   i.e. just before first use; the next ``step()``, ``state_dict()``, :meth:`wait_for_params` and
+   ``module``'s (or any submodule's) ``state_dict()`` / ``load_state_dict()`` also wait. Code that reads or
+   writes the parameters directly right after ``step()`` (an EMA update, ``p.copy_``) calls
+   :meth:`wait_for_params` first. A parameter read outside the forward of a module that owns it
+   (``self.wpe.weight[:T]``, another module's weight passed to ``F.linear``) is spotted in backward, when it
+   gets a gradient and none of its owners ran: its unit is then waited for by a pre-hook of ``module``
+   itself, at the start of every forward. Reads of that kind present from the first step are learned there
+   (nothing is in flight then) and are exact; one that first appears while its all-gather is in flight is refused by
    the next ``step()`` on every rank (its gradients may come from half-gathered values). A parameter
    read before its own module runs in the same forward: each wait of an in-flight gather bumps its
    parameters' autograd versions, so where autograd saved the read (``F.linear`` of an input that needs
@@ -139,6 +141,8 @@ from lowband.optim.sparse_rows import (
 
 ALGORITHMS = ("adamw", "muon")
 PARAM_GATHER = ("step", "forward")
+UNIMPLEMENTED_ADAMW = ("amsgrad", "maximize")
+"""``torch.optim.AdamW`` group options that change the update and are refused when true."""
 EXCHANGES = {"ring": "sharded", "p2p": "sharded-p2p"}
 """``exchange=`` choices and the private ``Comm`` purpose each runs on (``lowband.comm.comm.RING_PURPOSES``)."""
 INIT_SYNC = (True, False, "verify")
@@ -379,6 +383,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._constructed = False
         super().__init__(groups, defaults)
         self._validate_groups()
+        self._refuse_unimplemented()
 
         self.comm = (comm if comm is not None else Comm()).private(EXCHANGES[exchange])  # own group (Comm.private)
         # the state collectives (state_dict, full_state_dict, load_state_dict) on a second group whose
@@ -474,6 +479,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     self._hooks.append(mod.register_forward_pre_hook(hook))
             if self._track_reads:
                 self._hooks.append(module.register_forward_pre_hook(self._make_root_hook(), prepend=True))
+            # model.state_dict() / load_state_dict() of any of its modules right after step(): wait first (a
+            # state dict read mid-gather mixes old and new values; a load would be overwritten by late gathers)
+            wait = self._make_state_hook()
+            for mod in module.modules():
+                self._hooks.append(mod.register_state_dict_pre_hook(wait))
+                self._hooks.append(mod.register_load_state_dict_pre_hook(wait))
         self._constructed = True
 
     def _forward_order(self, module: nn.Module | None) -> list[int]:
@@ -609,8 +620,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
         lr-ratio check compares the current lrs against."""
         return list(self._base_lrs)
 
+    def _refuse_unimplemented(self) -> None:
+        """Raise ``ValueError`` naming the group if a param group asks for a ``torch.optim.AdamW`` option that
+        changes the update and is not implemented here (``amsgrad``, ``maximize``: set in a group dict, by hand
+        or by loading a torch AdamW state dict); ignoring it would step differently from torch. Local: every
+        rank holds the same groups."""
+        for gi, g in enumerate(self.param_groups):
+            for key in UNIMPLEMENTED_ADAMW:
+                if g.get(key):
+                    raise ValueError(f"{type(self).__name__}: param_groups[{gi}] has {key}=True, which lowband's "
+                                     f"sharded AdamW does not implement (it would step as with {key}=False); "
+                                     f"set it to False or use torch.optim.AdamW")
+
     def _check_lrs(self) -> None:
         """Raise if Muon and AdamW groups no longer keep their construction lr ratio (see class doc)."""
+        self._refuse_unimplemented()
         if not self.lr_ratio_check or len({g["algorithm"] for g in self.param_groups}) < 2:
             return
         if all("initial_lr" in g for g in self.param_groups):
@@ -667,6 +691,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if opt is not None:
                 opt._owner_called.update(ids)
                 opt._wait_gathers(uis)
+        return hook
+
+    def _make_state_hook(self):
+        """``state_dict`` / ``load_state_dict`` pre-hook of ``module``'s modules (``param_gather="forward"``): wait
+        for every parameter all-gather in flight (local; no new collective)."""
+        ref = weakref.ref(self)
+
+        def hook(*_args: Any) -> None:
+            opt = ref()
+            if opt is not None and opt._gathers:
+                opt._wait_gathers()
         return hook
 
     def _make_root_hook(self):
@@ -1383,6 +1418,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for k, v in saved.items():
                 if k != "params":
                     g[k] = tuple(v) if k == "betas" else v
+        self._refuse_unimplemented()  # a torch AdamW state dict saved with amsgrad / maximize
         lrs = [float(g["lr"]) for g in self.param_groups]
         if any(lr != 0 for lr in lrs):  # the saved lrs carry the ratio the run was using
             self._base_lrs = lrs

@@ -80,8 +80,9 @@ class Shard0:
         return self._mesh
 
     def shard(self, full: torch.Tensor) -> Any:
-        """This rank's ``torch.chunk`` rows of ``full`` as a ``Shard(0)`` DTensor (a copy on one rank)."""
-        if self.comm.size == 1:
+        """This rank's ``torch.chunk`` rows of ``full`` as a ``Shard(0)`` DTensor (a copy on one rank, and for a
+        0-d tensor, which has no rows: a plain tensor, the same on every rank, which DCP writes once)."""
+        if self.comm.size == 1 or full.dim() == 0:
             return full.detach().clone()
         from torch.distributed.tensor import DTensor, Shard
 

@@ -1,0 +1,138 @@
+"""Sharded optimizer state and module state from a user's script (2 gloo ranks, float64).
+
+* A 0-d parameter (a learnable ``logit_scale``) in the optimizer: ``opt.state_dict()`` for torch DCP (it raised
+  ``IndexError``), saved and loaded, continues bit for bit like the uninterrupted run.
+* ``param_gather="forward"``: ``model.state_dict()`` and ``model.load_state_dict()`` right after ``step()``, while
+  the parameter all-gathers are in flight (rank 1 is made late), see the gathered parameters (a state dict
+  read mid-gather mixed old and new values; a load was overwritten by the late gathers).
+* ``amsgrad`` / ``maximize`` in a param group (by hand, or from a torch AdamW state dict): refused by name, not
+  ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from lowband.comm import Comm
+from lowband.optim import ShardedAdamW
+from lowband.testing import run_ranks
+
+TIMEOUT = 90
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 5)
+        self.out = nn.Linear(5, 3)
+        self.logit_scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.lin(x))) * self.logit_scale
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+    return x[4 * rank:4 * rank + 4], y[4 * rank:4 * rank + 4]
+
+
+def _train(model: nn.Module, opt: ShardedAdamW, steps: range) -> None:
+    for s in steps:
+        x, y = _batch(s, dist.get_rank())
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _zero_dim(path: str) -> bool:
+    import torch.distributed.checkpoint as dcp
+
+    torch.set_default_dtype(torch.float64)
+
+    def build() -> tuple[nn.Module, ShardedAdamW]:
+        torch.manual_seed(0)
+        model = _Scaled()
+        return model, ShardedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, comm=Comm(), module=model)
+
+    model, opt = build()
+    _train(model, opt, range(2))
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path)
+    _train(model, opt, range(2, 4))
+    resumed, ropt = build()
+    state = {"model": resumed.state_dict(), "optim": ropt.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    resumed.load_state_dict(state["model"])
+    ropt.load_state_dict(state["optim"])
+    _train(resumed, ropt, range(2, 4))
+    return all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters(), strict=True))
+
+
+def test_a_zero_dim_parameter_saves_and_resumes_through_dcp(tmp_path: Path) -> None:
+    assert run_ranks(_zero_dim, 2, str(tmp_path / "ckpt"), timeout=TIMEOUT) == [True, True]
+
+
+def _mid_gather() -> dict:
+    torch.set_default_dtype(torch.float64)
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = _Scaled()
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, comm=Comm(), module=model, param_gather="forward",
+                       bucket_mb=1e-4)
+    reads, loads = [], []
+    for s in range(3):
+        x, y = _batch(s, rank)
+        F.mse_loss(model(x), y).backward()
+        if rank == 1:
+            time.sleep(0.3)  # rank 0's step returns with rank 1's slices still to come
+        opt.step()
+        opt.zero_grad()
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        opt.wait_for_params()
+        reads.append(all(torch.equal(saved[k], v) for k, v in model.state_dict().items()))
+    x, y = _batch(3, rank)
+    F.mse_loss(model(x), y).backward()
+    if rank == 1:
+        time.sleep(0.3)
+    opt.step()
+    opt.zero_grad()
+    model.load_state_dict(saved)  # roll back to the state after step 3, gathers of step 4 in flight
+    opt.wait_for_params()
+    loads.append(all(torch.equal(saved[k], v) for k, v in model.state_dict().items()))
+    return {"reads": reads, "loads": loads}
+
+
+def test_module_state_dict_waits_for_in_flight_gathers() -> None:
+    for r in run_ranks(_mid_gather, 2, timeout=TIMEOUT):
+        assert r == {"reads": [True] * 3, "loads": [True]}, r
+
+
+def _flags(key: str, how: str) -> str:
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    model = _Scaled()
+    try:
+        if how == "group":
+            opt = ShardedAdamW([{"params": list(model.parameters()), key: True}], lr=1e-2, comm=Comm())
+        else:
+            ref = torch.optim.AdamW(model.parameters(), lr=1e-2, **{key: True})
+            opt = ShardedAdamW(model.parameters(), lr=1e-2, comm=Comm())
+            opt.load_state_dict(ref.state_dict())
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("key", ["amsgrad", "maximize"])
+@pytest.mark.parametrize("how", ["group", "torch-state-dict"])
+def test_amsgrad_and_maximize_are_refused_not_ignored(key: str, how: str) -> None:
+    msg = (f"ShardedAdamW: param_groups[0] has {key}=True, which lowband's sharded AdamW does not implement (it "
+           f"would step as with {key}=False); set it to False or use torch.optim.AdamW")
+    assert run_ranks(_flags, 2, key, how, timeout=TIMEOUT) == [msg, msg]
