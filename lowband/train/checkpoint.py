@@ -338,6 +338,11 @@ def describe_mismatch(saved: dict[str, Any], expected: dict[str, Any], *,
             if list(sp[name][0]) != list(ep[name][0]) or sp[name][1] != ep[name][1]:
                 diffs.append(f"parameter {name}: checkpoint shape {list(sp[name][0])} {sp[name][1]}, this run "
                              f"{list(ep[name][0])} {ep[name][1]}")
+    saved_settings = saved.get("settings")
+    if isinstance(saved_settings, dict):  # markers written before settings were recorded have none
+        for k, v in expected.get("settings", {}).items():
+            if k in saved_settings and saved_settings[k] != v:
+                diffs.append(f"{k}: checkpoint {saved_settings[k]!r}, this run {v!r}")
     if "seed" in saved and "seed" in expected and saved["seed"] != expected["seed"]:
         diffs.append(f"run.seed: checkpoint {saved['seed']!r}, this run {expected['seed']!r} (the data order "
                      f"follows the seed; resume with the checkpoint's run.seed, or {START_OVER})")
@@ -757,7 +762,7 @@ class TrainCheckpointer:
                 "model": dataclasses.asdict(cfg.model), "dtype": cfg.run.dtype,
                 "params": {k: [list(s), d] for k, (s, d) in self.strategy.param_shapes().items()},
                 "global_batch": cfg.data.batch_size * self.env.world_size, "world_size": self.env.world_size,
-                "torch": torch.__version__, "seed": cfg.run.seed,
+                "torch": torch.__version__, "seed": cfg.run.seed, "settings": self.strategy.resume_settings(),
                 "data": {"source": cfg.data.source, "train_tokens": int(np.asarray(self.loader.tokens).size)}}
 
     def _state(self, rng_rank: int, trainer_blob: bytes = b"", rng_blob: bytes = b"",

@@ -170,3 +170,16 @@ def test_diloco_other_replica_count_is_refused(shard: str, tmp_path: Path) -> No
     assert out[0] == out[1]
     assert ("strategy: checkpoint 'diloco' (state format 'diloco-r2-v1'), this run 'diloco' (state format "
             "'diloco-r4-v1')") in out[0]
+
+
+def test_diloco_other_fragment_schedule_is_refused_by_name(shard: str, tmp_path: Path) -> None:
+    """A checkpoint holds its position inside a fragment period: resuming under another sync_every or
+    fragments is refused before loading, naming the keys (it once failed at the first step with an
+    unexpected ValueError about the local step, or trained on from a position that meant something else)."""
+    run_ranks(_run, 2, diloco_config(shard, 2, steps=2, ckpt_dir=str(tmp_path), every=2))
+    cfg = diloco_config(shard, 2, steps=4, ckpt_dir=str(tmp_path), every=2)
+    cfg.diloco.sync_every, cfg.diloco.fragments, cfg.diloco.delay = 2, 1, 0
+    out = run_ranks(_refused, 2, cfg)
+    assert out[0] == out[1]
+    assert ("does not match this run: diloco.sync_every: checkpoint 4, this run 2; diloco.fragments: checkpoint 2, "
+            "this run 1; diloco.delay: checkpoint 1, this run 0") in out[0], out[0]

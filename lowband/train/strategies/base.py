@@ -222,6 +222,12 @@ class Strategy:
         makes the trainer refuse to save or load. ``single`` and ``ddp`` share ``"replicated"``."""
         return _DEFAULT_CHECKPOINT_FORMATS.get(self.name)
 
+    def resume_settings(self) -> dict[str, Any]:
+        """Config keys (dotted name -> value) a checkpoint of this strategy must have been saved with to be
+        resumed, beyond the model and the state format (recorded in the marker; a resume with other values is
+        refused naming the key). Default: none."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's view of the strategy state, as ``torch.distributed.checkpoint`` (DCP) saves it.
 

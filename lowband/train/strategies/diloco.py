@@ -495,6 +495,12 @@ class DilocoStrategy(Strategy):
         part = self.inner.inner_format()  # None: the format of the first DiLoCo checkpoints (ddp inside)
         return f"diloco-r{self.mesh.shape.replica}-{part}-v1" if part else f"diloco-r{self.mesh.shape.replica}-v1"
 
+    def resume_settings(self) -> dict[str, Any]:
+        """The fragment schedule: a checkpoint holds its position inside a fragment period (the local step) and
+        which fragment is in flight, which mean nothing under another ``sync_every``, ``fragments`` or ``delay``."""
+        d = self.cfg.diloco
+        return {"diloco.sync_every": d.sync_every, "diloco.fragments": d.fragments, "diloco.delay": d.delay}
+
     def state_dict(self) -> dict[str, Any]:
         return self._ckpt_layout().state_dict()
 
