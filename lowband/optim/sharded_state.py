@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lowband.buffers import persistent_buffers
 from lowband.comm import Comm
 from lowband.dcp_chunks import LocalChunks, local_chunks
 from lowband.optim.sharded_exchange import chunk_rows, state_keys
@@ -159,7 +160,7 @@ class ShardedStateLayout:
 
     ``state_dict()`` (no communication) returns::
 
-        {"model": {fqn: parameter},                      every rank holds each parameter whole
+        {"model": {fqn: parameter or persistent buffer},   every rank holds each whole (buffers: this rank's)
          "optim": {"state.<fqn>.<key>": LocalChunks | float32 scalar ("step"),
                    "param_groups.<g>.<hyper>": value}}   (lr, betas, algorithm, ...; replicated)
 
@@ -178,10 +179,16 @@ class ShardedStateLayout:
     gathered form of :meth:`logical_state_dict`, or files DiLoCo's checkpoint wrote before it was rank-local):
     it takes this rank's part of each. Parameters are named by ``model.named_parameters()`` (a tied
     parameter by its first name). See the module docstring for the per-parameter keys.
+
+    ``include_buffers`` (default ``True``): the model's persistent buffers (what ``model.state_dict()`` holds
+    besides parameters: BatchNorm running statistics, counters) are ``"model"`` entries too, as plain tensors
+    (DCP writes rank 0's; buffers that differ per rank need a per-rank save of their own, as lowband's trainer
+    does, which passes ``False``). :meth:`fit_template` fits a template to a checkpoint saved without them.
     """
 
-    def __init__(self, model: nn.Module, optimizer: ShardedOptimizer) -> None:
+    def __init__(self, model: nn.Module, optimizer: ShardedOptimizer, *, include_buffers: bool = True) -> None:
         self.model, self.optimizer = model, optimizer
+        self.include_buffers = include_buffers
         names = {id(p): n for n, p in model.named_parameters()}
         params = [p for g in optimizer.param_groups for p in g["params"]]
         missing = [i for i, p in enumerate(params) if id(p) not in names]
@@ -243,6 +250,7 @@ class ShardedStateLayout:
         self._ensure_state()
         params = [p for g in opt.param_groups for p in g["params"]]
         model = {n: p.detach() for n, p in self.model.named_parameters()}
+        model.update({n: b.detach() for n, b in self._buffers()})
         state: dict[int, dict[str, Any]] = {}
         for ui, mi, st, parts in self._owned():
             m = opt._units[ui].layout.members[mi]
@@ -275,7 +283,23 @@ class ShardedStateLayout:
             for k, v in st.items():
                 optim[f"state.{self.names[idx]}.{k}"] = v
         optim.update(group_hyperparams(full["param_groups"]))
-        return {"model": {n: p.detach().clone() for n, p in self.model.named_parameters()}, "optim": optim}
+        model = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        model.update({n: b.detach().clone() for n, b in self._buffers()})
+        return {"model": model, "optim": optim}
+
+    def _buffers(self) -> list[tuple[str, torch.Tensor]]:
+        return persistent_buffers(self.model) if self.include_buffers else []
+
+    def fit_template(self, state: dict[str, Any], saved_keys: set[str]) -> list[str]:
+        """Drop from a fresh :meth:`state_dict` (the load template) the buffer entries a checkpoint saved without
+        buffers lacks (``saved_keys``: its flattened DCP keys, relative to this state), so ``dcp.load`` does not
+        stop at a missing key; :meth:`load_state_dict` then leaves those buffers as they are. Returns the dropped
+        names. No communication."""
+        model = state.get("model", {})
+        dropped = [n for n, _b in self._buffers() if n in model and f"model.{n}" not in saved_keys]
+        for n in dropped:
+            del model[n]
+        return dropped
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -288,6 +312,9 @@ class ShardedStateLayout:
             v = state["model"][n]
             if not _same_memory(v, p):
                 p.copy_(v)  # a view into the optimizer's flat parameter buffer
+        for n, b in self._buffers():
+            if n in state["model"] and not _same_memory(state["model"][n], b):
+                b.copy_(state["model"][n])
         optim = state["optim"]
         index = {n: i for i, n in enumerate(self.names)}
         for key in optim:

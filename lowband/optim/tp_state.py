@@ -58,6 +58,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lowband.buffers import persistent_buffers
 from lowband.optim.rekls import REKLS, ReklsHyper, init_rekls_state
 from lowband.optim.sharded_state import group_hyperparams
 from lowband.parallel.tensor import permute_sections
@@ -72,17 +73,6 @@ def sections_perm(m: int, sections: int, t: int) -> torch.Tensor:
 def qkv_perm(e: int, t: int) -> torch.Tensor:
     """Canonical row of each row of the TP-permuted qkv (``perm[p] = c``; ``[q; k; v]`` is canonical)."""
     return sections_perm(3 * e, 3, t)
-
-
-def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """``model``'s buffers that its ``state_dict()`` holds (torch's rule: ``persistent=False`` ones and ``None``
-    are left out), by state-dict name, in module order."""
-    out = []
-    for mod_name, mod in model.named_modules():
-        for name, buf in mod._buffers.items():
-            if buf is not None and name not in mod._non_persistent_buffers_set:
-                out.append((f"{mod_name}.{name}" if mod_name else name, buf))
-    return out
 
 
 class TPStateLayout:

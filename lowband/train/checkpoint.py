@@ -72,8 +72,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
+from lowband.buffers import persistent_buffers
 from lowband.comm import Comm
 from lowband.train.errors import warn
 
@@ -647,17 +647,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def default_checkpoint_dir(cfg: Config) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.run.out_dir) / cfg.run.name / "checkpoint"
-
-
-def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """``model``'s buffers that its ``state_dict()`` holds (torch's rule: ``persistent=False`` ones are left
-    out), by state-dict name, in module order."""
-    out = []
-    for mod_name, mod in model.named_modules():
-        for name, buf in mod._buffers.items():
-            if buf is not None and name not in mod._non_persistent_buffers_set:
-                out.append((f"{mod_name}.{name}" if mod_name else name, buf))
-    return out
 
 
 RESUME_HPARAMS = ("weight_decay", "betas", "eps", "momentum", "nesterov")

@@ -136,3 +136,71 @@ def test_amsgrad_and_maximize_are_refused_not_ignored(key: str, how: str) -> Non
     msg = (f"ShardedAdamW: param_groups[0] has {key}=True, which lowband's sharded AdamW does not implement (it "
            f"would step as with {key}=False); set it to False or use torch.optim.AdamW")
     assert run_ranks(_flags, 2, key, how, timeout=TIMEOUT) == [msg, msg]
+
+
+class _Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 5)
+        self.bn = nn.BatchNorm1d(5)
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)
+        self.out = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.bn(self.lin(x))))
+
+
+def _layout_buffers(path: str) -> dict:
+    """ShardedStateLayout + DCP on a model with BatchNorm (every rank sees the same batch, so its running
+    statistics agree): the resumed run continues bit for bit, the running statistics included; a checkpoint
+    saved without buffers loads after ``fit_template`` and leaves them as they are."""
+    import torch.distributed.checkpoint as dcp
+
+    from lowband.optim import ShardedStateLayout
+
+    torch.set_default_dtype(torch.float64)
+
+    def build(buffers: bool = True) -> tuple[nn.Module, ShardedAdamW, ShardedStateLayout]:
+        torch.manual_seed(0)
+        model = _Normed()
+        opt = ShardedAdamW(model.parameters(), lr=1e-2, comm=Comm(), module=model)
+        return model, opt, ShardedStateLayout(model, opt, include_buffers=buffers)
+
+    def train(model: nn.Module, opt: ShardedAdamW, steps: range) -> None:
+        for s in steps:
+            x, y = _batch(s, 0)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt, layout = build()
+    train(model, opt, range(2))
+    keys = sorted(layout.state_dict()["model"])
+    dcp.save(layout.state_dict(), checkpoint_id=path + "/with")
+    dcp.save(build(False)[2].state_dict(), checkpoint_id=path + "/without")
+    train(model, opt, range(2, 4))
+    resumed, ropt, rlayout = build()
+    state = rlayout.state_dict()
+    dcp.load(state, checkpoint_id=path + "/with")
+    rlayout.load_state_dict(state)
+    train(resumed, ropt, range(2, 4))
+    same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), resumed.state_dict().values(),
+                                                 strict=True))
+    old, _oopt, olayout = build()
+    template = olayout.state_dict()
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = set(FileSystemReader(path + "/without").read_metadata().state_dict_metadata)
+    dropped = olayout.fit_template(template, saved)
+    dcp.load(template, checkpoint_id=path + "/without")
+    olayout.load_state_dict(template)
+    return {"keys": keys, "same": same, "dropped": dropped, "untouched": int(old.bn.num_batches_tracked)}
+
+
+def test_sharded_state_layout_saves_persistent_buffers(tmp_path: Path) -> None:
+    for r in run_ranks(_layout_buffers, 2, str(tmp_path), timeout=TIMEOUT):
+        assert "bn.running_mean" in r["keys"] and "bn.num_batches_tracked" in r["keys"], r
+        assert "scratch" not in r["keys"], r
+        assert r["same"], r
+        assert r["dropped"] == ["bn.running_mean", "bn.running_var", "bn.num_batches_tracked"], r
+        assert r["untouched"] == 0, r

@@ -216,7 +216,8 @@ class _ShardedBase(Strategy):
 
     def _ckpt_layout(self) -> ShardedStateLayout:
         if getattr(self, "_ckpt", None) is None:
-            self._ckpt = ShardedStateLayout(self.model, self.optimizer)
+            # buffers: the trainer saves each rank's own (TrainCheckpointer, buffers_rank<r>)
+            self._ckpt = ShardedStateLayout(self.model, self.optimizer, include_buffers=False)
         return self._ckpt
 
     def state_dict(self) -> dict[str, Any]:
