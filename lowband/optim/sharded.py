@@ -677,6 +677,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             opt = ref()
             if opt is None:
                 return
+            if p.grad is not None and p.grad.layout != torch.strided:
+                name = opt._names[opt._units[ui].layout.members[mi].index]
+                raise ValueError(f"{type(opt).__name__}: parameter {name} got a sparse gradient "
+                                 f"({p.grad.layout}; nn.Embedding(sparse=True) / F.embedding(sparse=True)), which "
+                                 "the sharded optimizer does not take: use sparse=False (the gradient is reduced "
+                                 "densely), or pass the table as sparse_tables=[...] for lowband's row-sparse "
+                                 "exchange (docs/sparse.md)")
             if opt._track_reads:
                 opt._note_read(ui, p)
             if opt.require_backward_grad_sync:

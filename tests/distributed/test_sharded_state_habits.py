@@ -204,3 +204,23 @@ def test_sharded_state_layout_saves_persistent_buffers(tmp_path: Path) -> None:
         assert r["same"], r
         assert r["dropped"] == ["bn.running_mean", "bn.running_var", "bn.num_batches_tracked"], r
         assert r["untouched"] == 0, r
+
+
+def _sparse_grad() -> str:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, comm=Comm())
+    try:
+        model(torch.tensor([[1, 2, 3, 3]])).sum().backward()
+        opt.step()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_sparse_gradient_is_refused_by_name() -> None:
+    """nn.Embedding(sparse=True): one line naming the parameter and the ways out (it was a reshape error)."""
+    out = run_ranks(_sparse_grad, 2, timeout=TIMEOUT)
+    assert out[0] == out[1]
+    assert out[0].startswith("ShardedAdamW: parameter param_groups[0]['params'][0] got a sparse gradient "
+                             "(torch.sparse_coo;"), out[0]
