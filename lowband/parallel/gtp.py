@@ -595,6 +595,22 @@ class GTPRuntime:
         self._grad_records = [(p, p.grad, p.grad._version) if id(p) in ids and p.grad is not None else (p, g, v)
                               for p, g, v in self._grad_records]
 
+    def check_unfrozen(self, params: set[int]) -> None:
+        """Raise :class:`GTPStateError` if a replicated parameter of an attached model (of ``params``) is
+        trainable now but was frozen when the model was attached: GTP has no hook on it, so its gradient was
+        not averaged over the group and the ranks would step apart. Same verdict on every rank (it depends
+        on ``requires_grad`` alone). No collective."""
+        if self.size == 1:
+            return
+        names = [n for m in self._models for n, p in m.named_parameters()
+                 if id(p) in params and p.requires_grad and not is_gtp_param(p) and id(p) not in self._hooked]
+        if names:
+            raise GTPStateError(
+                f"GTP: replicated parameters {sorted(set(names))[:5]} were frozen (requires_grad=False) when GTP "
+                "attached the model and are trainable now: their gradients were not averaged over the GTP group, so "
+                "the ranks would step apart. Call runtime.attach(model) after unfreezing (before the backward), or "
+                "unfreeze before shard_linears / shard_embeddings")
+
     def check_grad_edits(self, params: set[int] | None = None) -> None:
         """Raise :class:`GTPStateError` if a recorded gradient (of ``params``, default all) was changed
         in place or replaced since GTP wrote it (``None``, i.e. ``zero_grad()``, is fine). No collective."""
@@ -1159,6 +1175,7 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> 
     _check_optimizer_state(optimizer)
     ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
     for rt in list(_RUNTIMES):
+        rt.check_unfrozen(ids)
         if rt._grad_records:
             rt.check_grad_edits(ids)
 

@@ -932,3 +932,51 @@ def test_sum_mode_accumulation_without_no_sync_is_exact(case: str) -> None:
     for r in run_ranks(_sum_accumulate, 2, case):
         for n, want in r["want"].items():
             torch.testing.assert_close(r["got"][n], want, rtol=tol, atol=tol * want.abs().max().item(), msg=n)
+
+
+def _unfrozen_after_shard(_: int) -> dict:
+    """Freeze, shard, unfreeze the last LayerNorm and a bias (no GTP weight trains, so no GTP backward queues
+    the replicated all-reduce): the step is refused on every rank; after ``rt.attach(model)`` it trains like the
+    single-process model."""
+    from lowband.parallel.gtp import GTPStateError
+
+    torch.set_default_dtype(torch.float64)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4), nn.LayerNorm(4))
+    model.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    rt = GTPRuntime(build_mesh(gtp=world).gtp)
+    shard_linears(model, rt)
+    for m in (model, ref):
+        m[3].requires_grad_(True)
+        m[2].bias.requires_grad_(True)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    X, Y = _data(4 * world, 6, 4)
+    sl = slice(4 * rank, 4 * rank + 4)
+    F.mse_loss(model(X[sl]), Y[sl]).backward()
+    try:
+        opt.step()
+        refused = "no error"
+    except GTPStateError as e:
+        refused = str(e)
+    opt.zero_grad()
+    rt.attach(model)
+    for _ in range(2):
+        F.mse_loss(model(X[sl]), Y[sl]).backward()
+        opt.step()
+        opt.zero_grad()
+        F.mse_loss(ref(X), Y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    diff = max((a - b).abs().max().item() for a, b in ((model[3].weight, ref[3].weight), (model[3].bias, ref[3].bias)))
+    return {"refused": refused, "diff": diff}
+
+
+def test_a_parameter_unfrozen_after_sharding_is_refused_until_attached():
+    """Regression: it was never averaged (no hook), so the ranks silently stepped apart."""
+    res = run_ranks(_unfrozen_after_shard, 2, 0, timeout=TIMEOUT)
+    assert res[0]["refused"] == res[1]["refused"]
+    assert res[0]["refused"].startswith("GTP: replicated parameters ['2.bias', '3.bias', '3.weight'] were frozen"), res
+    assert all(r["diff"] <= 1e-12 for r in res), res
