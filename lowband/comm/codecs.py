@@ -21,7 +21,11 @@ codec       bytes per element      ``|x - decode(encode(x))|`` at most
 absolute ``2^-10`` (half its subnormal spacing ``2^-9``) below it, times the scale; ``int8``: symmetric
 rounding to 255 levels. The ``2^-20 |x|`` term covers the fp32 division and multiplication by the
 scale.) An all-zero block gets scale 1. Non-finite inputs give non-finite outputs (a block holding
-one gets a NaN scale).
+one gets a NaN scale). The bounds hold for inputs inside the fp32 normal range, away from its ends (the
+scale is computed and applied in fp32): a block whose amax is within about 1 % of the fp32 maximum (3.4e38)
+can decode to inf, and its average with another block to NaN; an fp64 input beyond the fp32 range decodes
+non-finite (the whole block for the scaled codecs); an input below about 1e-38 (fp32 subnormal, or a tiny
+fp64 value) can decode to 0 with the scaled codecs. Gradients and pseudo-gradients live far from both ends.
 
 Below 8 bits, top-k and their compositions (``int4``, ``int2``, ``topk``, ``topk-int4``,
 ``topk-int2``) are *message* codecs, in :mod:`lowband.comm.compress`, reduced by an all-gather of
@@ -326,7 +330,10 @@ class CodecReduceScatterHandle:
         self.result: torch.Tensor | None = None
 
     def is_completed(self) -> bool:
-        return self._done or self._first.is_completed()
+        """Whether the output is in place; once the all-to-all is done the local decode and sum run here."""
+        if not self._done and self._first.is_completed():
+            self.wait()
+        return self._done
 
     def wait(self) -> torch.Tensor:
         if not self._done:

@@ -16,7 +16,9 @@ all_gather                native (< 4 MiB) or one async  native
                           optimizer: ring from 3 ranks
                           (chunk >= 8192), else p2p
 all_reduce                native (wire = tensor dtype);  same
-                          RS(all_to_all)+AG for bf16
+                          RS(all_to_all)+AG for a bf16
+                          wire, or a bf16/fp16 sum from
+                          3 ranks
 all_to_all                native; sharded optimizer: p2p native
 broadcast                 native                         native
 ========================  =============================  ===================================
@@ -167,7 +169,16 @@ class CommHandle:
         _IN_FLIGHT.pop(id(self), None)
 
     def is_completed(self) -> bool:
-        return self._done or all(w.is_completed() for w in self._works)
+        """Whether the result is in place (so :meth:`wait` returns at once). When the transfers are done, the
+        local post-processing (a reduce-scatter's sum, an average's division) runs here; a handle whose
+        post-processing issues collectives of its own (the two-phase all-reduce) completes only in
+        :meth:`wait`, so this stays ``False`` until then."""
+        if self._done:
+            return True
+        if self._chained or not all(w.is_completed() for w in self._works):
+            return False
+        self._complete()
+        return True
 
     def future(self) -> torch.futures.Future:
         """A ``torch.futures.Future`` resolving to the result (for DDP communication hooks).
@@ -523,9 +534,13 @@ class Comm:
                    async_op: bool = False, tag: str = "") -> CommHandle:
         """Reduce ``tensor`` in place over the group (``sum``, ``avg``, ``max`` or ``min``).
 
-        With a wire dtype narrower than the tensor (bf16), runs as reduce-scatter (fp32 local sum)
-        plus all-gather of the reduced chunks, both on the narrow wire; bytes are counted on the
-        buffer padded to a multiple of N.
+        With a wire dtype narrower than the tensor (bf16), and for a bf16/fp16 tensor summed or averaged
+        over 3 or more ranks, runs as reduce-scatter (fp32 local sum, in rank order) plus all-gather of the
+        reduced chunks, both on the wire dtype; bytes are counted on the buffer padded to a multiple of N.
+        (The backend's own all-reduce of a bf16/fp16 tensor rounds every partial sum to that dtype; with two
+        ranks there is one addition, rounded once either way, so it stays native.) ``max`` / ``min`` are the
+        backend's: a NaN on one rank may be dropped (gloo's comparison), so reduce flags, not raw values, when
+        non-finite values must survive.
         """
         if op not in REDUCE_OPS:
             raise ValueError(f"all_reduce: op {op!r} not in {REDUCE_OPS}")
@@ -539,7 +554,8 @@ class Comm:
             if wire != tensor.dtype:  # same rounding as on the wire, so numerics don't depend on N
                 tensor.copy_(tensor.to(wire))
             return self._finish_handle(CommHandle(rec, [], t0, None, tensor), async_op)
-        if wire == tensor.dtype:
+        narrow_sum = op in ("sum", "avg") and _acc_dtype(wire) != wire and n > 2
+        if wire == tensor.dtype and not narrow_sum:
             algo = "native"
             rec = self._record("all_reduce", tensor.numel(), wire,
                                ring_wire_bytes("all_reduce", n, tensor.numel() * esize), algo, tag,

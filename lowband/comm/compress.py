@@ -40,8 +40,10 @@ positions travel as ``log2 C``-bit offsets inside the chunk (``C = 256``: one by
 their values in fp32 (``topk``) or as one int4 / int2 message over the ``nc k`` kept values in chunk
 order (scale block ``B``). Every other element decodes to 0, so its error is ``|x|``, at most the
 ``k``-th largest magnitude of its chunk; kept values carry the value codec's error (0 for fp32 input
-with fp32 values). ``k = C`` keeps everything: with fp32 values the decode is exact. A non-finite
-input is always kept (``topk`` ranks NaN and inf first) and decodes non-finite.
+with fp32 values). ``k = C`` keeps everything: with fp32 values the decode is exact. Non-finite
+inputs are kept first (``topk`` ranks NaN and inf above every finite value), up to ``k`` of them per chunk:
+a chunk holding any decodes non-finite (so a non-finite guard downstream still fires), but beyond ``k`` in
+one chunk the rest decode to 0.
 
 :func:`gather_all_reduce` averages (or sums) a flat tensor over a :class:`~lowband.comm.Comm` with a
 message codec: each rank encodes its own message, one **all-gather** of the messages, then every rank
