@@ -298,9 +298,18 @@ class REKLS(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
+        """As torch's, then validated; a refused group is not kept (torch appends before any check)."""
         super().add_param_group(param_group)
-        check_group(self.param_groups[-1], f"{type(self).__name__} param group "
-                                           f"{len(self.param_groups) - 1}")
+        where = f"{type(self).__name__} param group {len(self.param_groups) - 1}"
+        try:
+            check_group(self.param_groups[-1], where)
+            for i, p in enumerate(self.param_groups[-1]["params"]):
+                if p.is_complex():
+                    raise TypeError(f"{where}: params[{i}] is complex ({p.dtype}); REKLS and its AdamW path take "
+                                    "real parameters (torch.view_as_real(p) as a real parameter works)")
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As torch's, but state tensors keep their saved dtype (torch casts them to the parameter's

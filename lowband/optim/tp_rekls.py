@@ -171,7 +171,8 @@ class TpRekls(REKLS):
         if "partition_dim" in group:
             pd = group["partition_dim"]
             if pd not in PARTITION_DIMS or isinstance(pd, bool):
-                raise ValueError(f"TpRekls param group {len(self.param_groups) - 1}: partition_dim must "
+                self.param_groups.pop()  # a refused group is not kept
+                raise ValueError(f"TpRekls param group {len(self.param_groups)}: partition_dim must "
                                  f"be 0, 1 or None, got {pd!r}")
 
     def _declared(self, group: dict, p: torch.Tensor) -> tuple[Any, bool]:

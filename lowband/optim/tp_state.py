@@ -173,7 +173,17 @@ class TPStateLayout:
         group = self.optimizer.param_groups[gi]
         if not isinstance(self.optimizer, REKLS):
             return "torch-adamw", tuple(p.shape)
-        kind, _pd, full = self.optimizer.classify(group, gi, pi, p, ReklsHyper.from_group(group))
+        kind, pd, full = self.optimizer.classify(group, gi, pi, p, ReklsHyper.from_group(group))
+        cut = cut_of(p, "tp")
+        if pd != (cut.dim if cut is not None else None):
+            # the layout of the saved tensors follows the placement: a group's partition_dim key that says
+            # otherwise would save one rank's chunk (or per-rank REKLS state) as if every rank held the same
+            raise ValueError(
+                f"TPStateLayout: param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) is stepped with "
+                f"partition_dim={pd} (the param group's 'partition_dim' key) but its placement says "
+                f"{'partition_dim=' + str(cut.dim) if cut is not None else 'replicated'}; the checkpoint layout "
+                "follows the placement, so it cannot save it: declare the TP layout on the parameter "
+                "(lowband.parallel.tensor.mark_partition) instead of the group key")
         return kind, tuple(full)
 
     def _fresh_state(self, gi: int, pi: int, p: torch.Tensor) -> dict[str, Any]:

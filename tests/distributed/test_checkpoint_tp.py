@@ -301,3 +301,34 @@ def test_tp_state_layout_saves_and_loads_persistent_buffers(tmp_path: Path) -> N
         assert "bn.running_mean" in r["strict"]  # a template with buffer keys stops at the old checkpoint
         assert r["dropped"] == ["bn.num_batches_tracked", "bn.running_mean", "bn.running_var"]
         assert r["old_same_w"] and r["old_kept_buffers"]
+
+
+def _group_key_override() -> str:
+    """A TP chunk declared only by TpRekls' param-group key ``partition_dim`` (no placement on the tensor)."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from lowband.comm import Comm
+    from lowband.optim.tp_rekls import TpRekls
+    from lowband.optim.tp_state import TPStateLayout
+
+    rank, t = dist.get_rank(), dist.get_world_size()
+    w = nn.Parameter(torch.arange(24, dtype=torch.float64).reshape(4, 6).chunk(t, 0)[rank].clone())
+    model = nn.Module()
+    model.w = w
+    opt = TpRekls([{"params": [w], "partition_dim": 0}], lr=1e-2, tp_comm=Comm(name="tp"))
+    try:
+        TPStateLayout(model, opt, tp_size=t, dp_size=1).state_dict()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_tp_state_layout_refuses_a_layout_declared_by_the_group_key_only() -> None:
+    """The layout follows the placement: a chunk declared by the group key alone was saved as a replicated tensor
+    (one rank's chunk kept, every rank loading it: silently swapped state); now refused naming the parameter."""
+    out = run_ranks(_group_key_override, 2)
+    assert out[0] == out[1]
+    assert out[0].startswith("TPStateLayout: param_groups[0]['params'][0] (shape (2, 6)) is stepped with "
+                             "partition_dim=0 (the param group's 'partition_dim' key) but its placement says "
+                             "replicated"), out[0]

@@ -250,3 +250,26 @@ def test_state_dict_roundtrip_keeps_state_dtype() -> None:
         pc.grad = gr.clone()
         c.step()
     assert torch.equal(pa, pc)
+
+
+def test_a_refused_param_group_is_not_kept() -> None:
+    """torch appends a group before REKLS validated it: a caller that caught the error stepped it anyway
+    (lr -1: gradient ascent)."""
+    from lowband.optim.rekls import REKLS
+
+    p, q = torch.nn.Parameter(torch.ones(3, 3)), torch.nn.Parameter(torch.ones(2))
+    opt = REKLS([p], lr=0.1)
+    with pytest.raises(ValueError, match="lr must be >= 0"):
+        opt.add_param_group({"params": [q], "lr": -1.0})
+    assert len(opt.param_groups) == 1
+    q.grad = torch.ones(2)
+    opt.step()
+    assert torch.equal(q.detach(), torch.ones(2))
+
+
+def test_complex_parameters_are_refused() -> None:
+    """Its AdamW path squared complex gradients as complex numbers (torch's AdamW works on view_as_real)."""
+    from lowband.optim.rekls import REKLS
+
+    with pytest.raises(TypeError, match=r"params\[0\] is complex"):
+        REKLS([torch.nn.Parameter(torch.ones(5, dtype=torch.complex128))], lr=0.1)
