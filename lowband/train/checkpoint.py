@@ -671,18 +671,21 @@ def _same(a: Any, b: Any) -> bool:
 def _reapply_hparams(optimizer: torch.optim.Optimizer, scheduler: Any, configured: dict[str, Any]) -> list[str]:
     """After a checkpoint was loaded: put back the config's peak lr and :data:`RESUME_HPARAMS` where the
     checkpoint's differ (a run resumed with another ``optim.lr`` or ``optim.weight_decay`` trains with them, as
-    its ``config.toml`` says); the current lr is the new peak times the schedule's factor at the resumed step.
-    Returns what changed, one ``group i: key old -> new`` per setting."""
+    its ``config.toml`` says); the current lr is always this run's peak times this run's schedule factor at the
+    resumed step (another ``run.steps`` moves a decaying schedule). Returns what changed, one
+    ``group i: key old -> new`` per setting (peak lr and :data:`RESUME_HPARAMS`)."""
     changed: list[str] = []
     groups = optimizer.param_groups
     if len(configured["groups"]) != len(groups):
         return changed
     base = configured["base_lrs"]
-    if base and len(base) == len(getattr(scheduler, "base_lrs", [])) and not _same(base, scheduler.base_lrs):
+    if base and len(base) == len(getattr(scheduler, "base_lrs", [])):
         for i, (old, new) in enumerate(zip(scheduler.base_lrs, base, strict=True)):
             if not _same(old, new):
                 changed.append(f"group {i}: lr {old:g} -> {new:g}")
         scheduler.base_lrs = list(base)
+        # the current lr from this run's schedule (another run.steps, warmup or schedule changes it; the
+        # checkpoint's param groups hold the lr its own schedule gave), exactly as LambdaLR.step() computes it
         factors = [lam(scheduler.last_epoch) for lam in scheduler.lr_lambdas]
         for g, b, f in zip(groups, base, factors, strict=True):
             g["initial_lr"] = b

@@ -47,7 +47,9 @@ class RunConfig:
     val_every: int = 50
     """Validation loss every this many steps (and at the end); 0 = only at the end."""
     val_batches: int = 4
-    """Batches (per rank) averaged for one validation loss."""
+    """Batches of data.batch_size sequences (per rank) averaged for one validation loss (read in data.grad_accum
+    microbatches, so the validation set is the same whatever grad_accum, and at any world size with the same
+    global batch)."""
     world_size: int = 1
     """Ranks to launch when started without torchrun (CPU, gloo). Under torchrun, WORLD_SIZE wins."""
     device: str = "cpu"
@@ -127,7 +129,8 @@ class DataConfig:
     train_bin: str = ""
     """Glob of training .bin shards (source = bin)."""
     val_bin: str = ""
-    """Glob of validation .bin shards (source = bin)."""
+    """Glob of validation .bin shards (source = bin); "": the last 1/20 of the training tokens, held out of
+    training."""
     batch_size: int = 8
     """Sequences per rank per optimizer step (split over grad_accum microbatches)."""
     grad_accum: int = 1

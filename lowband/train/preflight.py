@@ -131,7 +131,9 @@ def check_data(cfg: Config, world: int) -> None:
     if d.source == "bin":
         n_train = _vocab_check(d.train_bin, "data.train_bin", m.vocab_size)
         n_val = _vocab_check(d.val_bin, "data.val_bin", m.vocab_size) if d.val_bin else max(n_train // 20, 1)
-        train_what = f"data.train_bin {d.train_bin!r}"
+        if not d.val_bin:
+            n_train -= n_val  # the tail is held out of training
+        train_what = f"data.train_bin {d.train_bin!r}" + ("" if d.val_bin else " (without its validation tail)")
         val_what = f"data.val_bin {d.val_bin!r}" if d.val_bin else "the validation tail (last 1/20) of data.train_bin"
     elif d.source == "text":
         train, val, _ = text_source(cfg)

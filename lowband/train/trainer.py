@@ -122,8 +122,10 @@ def load_token_arrays(cfg: Config, env: DistEnv) -> tuple[np.ndarray, np.ndarray
         return cached if cached is not None else text_source(cfg)[:2]
     if cfg.data.source == "bin":
         train = load_tokens(cfg.data.train_bin)
-        val = load_tokens(cfg.data.val_bin) if cfg.data.val_bin else train[-max(len(train) // 20, 1):]
-        return train, val
+        if cfg.data.val_bin:
+            return train, load_tokens(cfg.data.val_bin)
+        held = max(len(train) // 20, 1)  # the validation tail, held out of training (it was trained on too)
+        return train[:len(train) - held], train[len(train) - held:]
     if env.world_size > 1 and env.rank != 0:
         env.metrics_comm.barrier(tag="corpus")
         return builtin_corpus()
@@ -419,7 +421,10 @@ def _train(cfg: Config, env: DistEnv, *, model_factory: ModelFactory | None, wri
             if env.is_main and log:
                 print(format_log_line(row, cfg.run.steps), flush=True)
         if (cfg.run.val_every and (step + 1) % cfg.run.val_every == 0) or is_last:
-            last_val = evaluate(strategy.unwrapped(), val_loader, cfg.run.val_batches, env, strategy.forward)
+            # val_batches batches of data.batch_size sequences, read as microbatches (the val loader's size), so
+            # the validation set does not shrink with data.grad_accum (nor change with the world size)
+            last_val = evaluate(strategy.unwrapped(), val_loader, cfg.run.val_batches * cfg.data.grad_accum, env,
+                                strategy.forward)
             vrow = {"step": step + 1, "val_loss": last_val}
             rows.append(vrow)
             if writer:

@@ -62,19 +62,20 @@ def test_token_ids_beyond_the_vocabulary_are_found_before_training(tiny: Path) -
 
 def test_corpus_shorter_than_one_global_batch(tiny: Path) -> None:
     write_shard(tiny / "small.bin", np.arange(100) % 256)
-    # 100 tokens = 3 windows of 32 (+1); a global batch at 2 ranks x 2 sequences needs 4.
+    # 100 tokens less the 5-token validation tail = 95 = 2 windows of 32 (+1); a global batch at 2 ranks x 2
+    # sequences needs 4.
     proc = run_cli(tiny, "--data.source=bin", "--data.train_bin=small.bin", "--run.world_size=2")
     assert proc.returncode == 2
     assert stderr_lines(proc) == [
-        E + "data: data.train_bin 'small.bin' has 100 tokens, 3 windows of model.seq_len = 32 (+1 target), fewer "
-            "than one global batch of data.batch_size x world size = 2 x 2 = 4; lower data.batch_size or "
-            "model.seq_len, or use more data"]
+        E + "data: data.train_bin 'small.bin' (without its validation tail) has 95 tokens, 2 windows of "
+            "model.seq_len = 32 (+1 target), fewer than one global batch of data.batch_size x world size = 2 x 2 "
+            "= 4; lower data.batch_size or model.seq_len, or use more data"]
     assert_no_elastic_report(proc)
     # seq_len longer than the whole corpus: zero windows
     proc = run_cli(tiny, "--data.source=bin", "--data.train_bin=small.bin", "--model.seq_len=128")
     assert proc.returncode == 2
-    assert stderr_lines(proc)[0].startswith(E + "data: data.train_bin 'small.bin' has 100 tokens, 0 windows of "
-                                                "model.seq_len = 128 (+1 target)")
+    assert stderr_lines(proc)[0].startswith(E + "data: data.train_bin 'small.bin' (without its validation tail) "
+                                                "has 95 tokens, 0 windows of model.seq_len = 128 (+1 target)")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")

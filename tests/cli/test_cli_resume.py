@@ -85,6 +85,21 @@ def test_a_resume_trains_with_its_own_optimizer_settings(saved: Path, tmp_path: 
     assert [r["lr"] for r in rows if r.get("step") == 3 and "lr" in r] == [0.0001]
 
 
+def test_a_resume_with_more_steps_takes_its_own_schedule_from_the_first_step(saved: Path, tmp_path: Path) -> None:
+    """run.steps 2 -> 6 moves a decaying schedule: the first resumed step's lr is the new schedule's (it was the
+    checkpoint's, the old schedule's value, for one step)."""
+    from lowband.train.config import load_config
+    from lowband.train.trainer import lr_factor
+
+    cwd = _copy(saved, tmp_path)
+    proc = run_cli(cwd, "--run.steps=6", "--checkpoint.every=1", "--optim.warmup_steps=0")
+    assert proc.returncode == 0, proc.stderr
+    cfg = load_config(str(cwd / "tiny.toml"), ["--run.steps=6", "--optim.warmup_steps=0"])
+    rows = [json.loads(ln) for ln in (cwd / "runs" / "t" / "metrics.jsonl").read_text().splitlines()]
+    logged = {r["step"]: r["lr"] for r in rows if "lr" in r and r["step"] > 2}
+    assert logged == {s: cfg.optim.lr * lr_factor(cfg)(s - 1) for s in range(3, 7)}, logged
+
+
 def test_a_torn_metrics_row_keeps_the_rows_around_it(saved: Path, tmp_path: Path) -> None:
     """A row cut short by a crash: the resumed run keeps every other earlier row (it once kept none)."""
     cwd = _copy(saved, tmp_path)

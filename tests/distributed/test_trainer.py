@@ -76,3 +76,16 @@ def test_ddp_bf16_wire_hook_runs_and_counts_bf16_bytes(shard: str, world: int) -
         assert all(abs(w - nparams * 2) <= 2 * world for w in rank_out["wire"])
     for k in ref["params"]:
         assert torch.equal(out[0]["params"][k], out[1]["params"][k])  # replicas stay identical
+
+
+def _val(cfg: Config) -> float:
+    return train(cfg, write_run_dir=False, log=False).final_val_loss
+
+
+def test_validation_set_does_not_depend_on_grad_accum_or_world_size(shard: str) -> None:
+    """run.val_batches batches of data.batch_size sequences: the same validation windows with grad_accum 1, 2, 4 and
+    at 2 ranks with the same global batch (it evaluated val_batches microbatches, a set that shrank with
+    grad_accum). float64; the runs train the same parameters to ~1e-16, so the losses agree to ~1e-14."""
+    vals = [run_ranks(_val, 1, tiny_config(shard, 1, "single", 4, accum=a))[0] for a in (1, 2, 4)]
+    vals.append(run_ranks(_val, 2, tiny_config(shard, 2, "ddp", 2, accum=2))[0])
+    np.testing.assert_allclose(vals, [vals[0]] * 4, rtol=1e-12)

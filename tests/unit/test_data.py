@@ -354,3 +354,19 @@ def test_loader_too_short_message():
     DistributedLoader(_tokens(101), 5, 10, rank=1, world_size=2)  # exactly enough
     with pytest.raises(TypeError, match="integer"):
         DistributedLoader(np.zeros(100), 1, 4, rank=0, world_size=1)
+
+
+def test_bin_source_holds_its_validation_tail_out_of_training(tmp_path) -> None:
+    """data.source = bin without data.val_bin: validation is the last 1/20 of the tokens, and training the rest
+    (validation tokens were trained on too, so val_loss was measured on training data)."""
+    from lowband.data.shards import write_shard
+    from lowband.train.config import Config
+    from lowband.train.trainer import load_token_arrays
+
+    write_shard(tmp_path / "t.bin", np.arange(1000) % 256)
+    cfg = Config()
+    cfg.data.source, cfg.data.train_bin = "bin", str(tmp_path / "t.bin")
+    train, val = load_token_arrays(cfg, None)  # type: ignore[arg-type]  # the bin source needs no ranks
+    assert len(train) == 950 and len(val) == 50
+    assert np.array_equal(np.concatenate([train, val]), np.arange(1000) % 256)
+    assert not np.shares_memory(train, val)

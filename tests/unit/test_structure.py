@@ -15,8 +15,8 @@ import lowband
 ROOT = Path(lowband.__file__).parent
 
 # lowest first; a top-level module or package of lowband that is not listed here fails the test (place it)
-LAYERS = ["plan", "dcp_chunks", "sharding", "data", "comm", "consistency", "testing", "model", "parallel", "optim",
-          "diloco",
+LAYERS = ["plan", "buffers", "dcp_chunks", "sharding", "data", "comm", "consistency", "testing", "model", "parallel",
+          "optim", "diloco",
           "train", "sample", "lighthouse", "bench"]
 
 
