@@ -17,12 +17,15 @@ e.g. DiLoCo replicas between syncs, are never compared with each other):
   mesh, or any one of its axes;
 * for every tensor its name, shape and dtype (a model built differently on one rank is named too).
 
-Checksums are exact and deterministic: each tensor's bytes are read as integer words (int64 for
-8-byte dtypes, int32 for 4-byte ones, ...) and summed in int64 with wraparound twice, plainly and
-weighted by the word's position (``sum w_i`` and ``sum (i + 1) * w_i``, mod 2**64), so any changed
-bit, and any permutation of elements, changes them; integer addition is associative, so the result
-does not depend on the reduction order, the device or the number of threads. A float sum would not
-see a 1e-12 drift; this does.
+Checksums are exact and deterministic: each tensor's bytes are read as unsigned words of at most 32 bits
+(an 8-byte element as two 32-bit words, a 4-byte one as one, a 2-byte one as 16 bits, ...) and summed in
+int64 twice, plainly and weighted by the word's position (``sum w_i`` and ``sum (i + 1) * w_i``, the weighted
+one mod 2**64). The plain sum cannot wrap below 2**31 words per tensor, so any change that moves the sum of
+the words changes it: one changed word, a sign flip of any set of elements, a scaling by a power of two (an
+earlier form summed 64-bit words mod 2**64, and two sign flips, or a whole float64 tensor doubled, wrapped
+back to the same sum); the weighted sum catches permutations. Integer addition is associative, so the result
+does not depend on the reduction order, the device or the number of threads. A float sum would not see a
+1e-12 drift; this does.
 
 Communication pattern: one ``all_gather`` of one int64 vector per rank, on ``comm.private("replica_check")``
 (a process group of its own with ``comm``'s members, created at the first call, so the check can never
@@ -70,24 +73,32 @@ def replica_check_bytes(num_tensors: int, group_size: int) -> int:
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
-    """The flat bytes of ``t`` (its local shard for a ``DTensor``) as integer words of its element size."""
+    """The flat bytes of ``t`` (its local shard for a ``DTensor``) as integer words of its element size, at
+    most 32 bits (an element of 8 or more bytes as 32-bit words)."""
     t = t.detach()
     if hasattr(t, "to_local"):
         t = t.to_local()
     flat = t.contiguous().reshape(-1)
     size = flat.element_size()
-    word = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}.get(size, torch.int64)
+    word = {2: torch.int16, 1: torch.uint8}.get(size, torch.int32)
     return flat if flat.dtype == word else flat.view(word)
+
+
+_UNSIGNED = {torch.int32: 1 << 32, torch.int16: 1 << 16}
 
 
 @torch.no_grad()
 def tensor_checksum(t: torch.Tensor) -> torch.Tensor:
-    """``[sum w_i, sum (i + 1) w_i]`` (int64, wrapping) over the integer words ``w`` of ``t``'s bytes,
-    as a 2-element int64 tensor on ``t``'s device. Exact and independent of the reduction order."""
+    """``[sum w_i, sum (i + 1) w_i]`` over the unsigned words ``w`` (at most 32 bits) of ``t``'s bytes (the
+    plain sum exact below 2**31 words, the weighted one wrapping), as a 2-element int64 tensor on ``t``'s
+    device. Exact and independent of the reduction order."""
     w = _words(t)
+    wrap = _UNSIGNED.get(w.dtype)
     out = torch.zeros(2, dtype=torch.int64, device=w.device)
     for lo in range(0, w.numel(), _CHUNK):
         chunk = w[lo:lo + _CHUNK].to(torch.int64)
+        if wrap is not None:  # unsigned: a word's top bit is worth 2**31, not -2**31
+            chunk = torch.where(chunk < 0, chunk + wrap, chunk)
         pos = torch.arange(lo + 1, lo + 1 + chunk.numel(), dtype=torch.int64, device=w.device)
         out[0] += chunk.sum()
         out[1] += (chunk * pos).sum()

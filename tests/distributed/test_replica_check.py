@@ -36,6 +36,18 @@ def test_checksum_is_exact_and_order_sensitive() -> None:
         assert tensor_checksum(t).shape == (2,)
 
 
+def test_checksum_sees_structured_float64_changes() -> None:
+    """The plain sum of 64-bit words mod 2**64 missed these: two sign flips add 2 * 2**63, and doubling every
+    element of 8192 float64 values adds 8192 * 2**52 = 2**65 (both wrap to the same sum)."""
+    x = torch.randn(8192, dtype=torch.float64)
+    for changed in (x * 2, x * 0.5, torch.cat([-x[:2], x[2:]]), -x):
+        assert not torch.equal(tensor_checksum(changed), tensor_checksum(x))
+    y = torch.randn(16, dtype=torch.float64)
+    z = y.clone()
+    z[[0, 2]] = -z[[0, 2]]
+    assert not torch.equal(tensor_checksum(z), tensor_checksum(y))
+
+
 def test_checksum_does_not_depend_on_chunking(monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.randn(1001, dtype=torch.float32)
     whole = tensor_checksum(x)
