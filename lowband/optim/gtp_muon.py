@@ -298,6 +298,22 @@ class GTPMuon(torch.optim.Optimizer):
                 stacks.append(_Stack(ms, buf))
             self._stacks.append(stacks)
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch's, then each owned GTP Muon momentum is copied into its stacked buffer and the state points
+        at that buffer's view again (torch's load puts new tensors into ``state``, which the step, reading the
+        stacks, would never see: the loaded momentum was silently dropped)."""
+        super().load_state_dict(state_dict)
+        with torch.no_grad():
+            for stacks in self._stacks:
+                for stack in stacks:
+                    for j, m in enumerate(stack.members):
+                        p = self._gtp_params[m]
+                        st = self.state.setdefault(p, {})
+                        loaded = st.get("momentum_buffer")
+                        if loaded is not None and loaded is not stack.buf[j]:
+                            stack.buf[j].copy_(loaded)
+                        st["momentum_buffer"] = stack.buf[j]
+
     def owner(self, p: torch.Tensor) -> int | None:
         """GTP rank owning ``p``'s whole-matrix Muon state; ``None`` if ``p`` is not a GTP Muon matrix."""
         for b in self.buckets:
