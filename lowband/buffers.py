@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
@@ -15,3 +17,14 @@ def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
             if buf is not None and name not in mod._non_persistent_buffers_set:
                 out.append((f"{mod_name}.{name}" if mod_name else name, buf))
     return out
+
+
+def drop_unsaved(model_state: dict, names: Iterable[str], saved_keys: set[str]) -> list[str]:
+    """Fit a load template's ``"model"`` dict to a checkpoint written without some of ``names`` (buffers, before
+    a layout saved them): drop each name whose ``model.<name>`` is not among ``saved_keys`` (the checkpoint's
+    flattened DCP keys relative to the layout's state), so ``dcp.load`` does not stop at a missing key; the
+    layout's ``load_state_dict`` then leaves those tensors as they are. Returns the dropped names."""
+    dropped = [n for n in names if n in model_state and f"model.{n}" not in saved_keys]
+    for n in dropped:
+        del model_state[n]
+    return dropped

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lowband.buffers import persistent_buffers
+from lowband.buffers import drop_unsaved, persistent_buffers
 from lowband.comm import Comm
 from lowband.dcp_chunks import LocalChunks, local_chunks
 from lowband.optim.sharded_exchange import chunk_rows, state_keys
@@ -295,11 +295,7 @@ class ShardedStateLayout:
         buffers lacks (``saved_keys``: its flattened DCP keys, relative to this state), so ``dcp.load`` does not
         stop at a missing key; :meth:`load_state_dict` then leaves those buffers as they are. Returns the dropped
         names. No communication."""
-        model = state.get("model", {})
-        dropped = [n for n, _b in self._buffers() if n in model and f"model.{n}" not in saved_keys]
-        for n in dropped:
-            del model[n]
-        return dropped
+        return drop_unsaved(state.get("model", {}), (n for n, _b in self._buffers()), saved_keys)
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -58,7 +58,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lowband.buffers import persistent_buffers
+from lowband.buffers import drop_unsaved, persistent_buffers
 from lowband.optim.rekls import REKLS, ReklsHyper, init_rekls_state
 from lowband.optim.sharded_state import group_hyperparams
 from lowband.parallel.tensor import permute_sections
@@ -286,11 +286,7 @@ class TPStateLayout:
         flattened DCP keys, relative to this state), so ``dcp.load`` does not stop at a missing key;
         :meth:`load_state_dict` then leaves those buffers as they are. Returns the dropped keys. No
         communication (every rank reads the same metadata and drops the same keys)."""
-        model = state.get("model", {})
-        dropped = [n for n in self.buffers if n in model and f"model.{n}" not in saved_keys]
-        for n in dropped:
-            del model[n]
-        return dropped
+        return drop_unsaved(state.get("model", {}), self.buffers, saved_keys)
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:

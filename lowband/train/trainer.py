@@ -197,7 +197,8 @@ def _rows_before(path: Path, step: int) -> list[dict[str, Any]]:
         except ValueError:
             torn += 1
             continue
-        if isinstance(row, dict) and isinstance(row.get("step", step + 1), int) and row.get("step", step + 1) <= step:
+        at = row.get("step") if isinstance(row, dict) else None
+        if isinstance(at, int) and at <= step:
             rows.append(row)
     if torn:
         warn(f"{str(path)!r}: {torn} line(s) that are not JSON rows (cut short by a crash?) left out; the other "
