@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowband.comm.comm import Comm, CommHandle, all_finite, true_div, true_div_
+from lowband.comm.comm import Comm, CommHandle, all_finite, avg_divisor, true_div, true_div_
 from lowband.comm.compress import (
     DEFAULT_TOPK_CHUNK,
     DEFAULT_TOPK_K,
@@ -235,7 +235,7 @@ class CodecHandle:
 
 def codec_all_reduce(comm: Comm, flat: torch.Tensor, codec: Codec, *, op: str = "avg",
                      async_op: bool = False, tag: str = "",
-                     residual_out: torch.Tensor | None = None) -> CodecHandle:
+                     residual_out: torch.Tensor | None = None, avg_over: int | None = None) -> CodecHandle:
     """Reduce the 1-D float tensor ``flat`` in place over ``comm`` with ``codec`` on the wire.
 
     Communication: one all-to-all of the encoded chunks (issued now; asynchronous with
@@ -253,9 +253,12 @@ def codec_all_reduce(comm: Comm, flat: torch.Tensor, codec: Codec, *, op: str = 
         tag: ledger tag of both collectives.
         residual_out: if given (shape and dtype of ``flat``), receives ``flat - decode(encode(flat))``
             of this rank's own phase-1 encoding (its chunk layout over ``N`` ranks), before the exchange.
+        avg_over: ``op="avg"`` divides the sum by this many instead of ``N`` (an average over the ranks
+            that contributed, when the others send zeros: fault-tolerant DiLoCo's healed replicas).
     """
     if op not in ("sum", "avg"):
         raise ValueError(f"codec_all_reduce: op {op!r} not in ('sum', 'avg')")
+    divisor = avg_divisor(op, avg_over, comm.size, "codec_all_reduce")
     if flat.dim() != 1 or not flat.is_contiguous() or not flat.is_floating_point():
         raise ValueError("codec_all_reduce: flat must be a contiguous 1-D float tensor")
     n = comm.size
@@ -277,8 +280,8 @@ def codec_all_reduce(comm: Comm, flat: torch.Tensor, codec: Codec, *, op: str = 
         acc = parts[0].clone()
         for i in range(1, n):
             acc.add_(parts[i])
-        if op == "avg":
-            true_div_(acc, n)
+        if divisor is not None:
+            true_div_(acc, divisor)
         mine = codec.encode(acc.view(1, chunk))
         return comm.all_gather(gathered, mine, async_op=True, tag=tag)
 
@@ -293,15 +296,18 @@ def codec_all_reduce(comm: Comm, flat: torch.Tensor, codec: Codec, *, op: str = 
     return handle
 
 
-def reference_all_reduce(inputs: Sequence[torch.Tensor], codec: Codec, op: str = "avg") -> torch.Tensor:
+def reference_all_reduce(inputs: Sequence[torch.Tensor], codec: Codec, op: str = "avg",
+                         avg_over: int | None = None) -> torch.Tensor:
     """Single-process reference of :func:`codec_all_reduce`: what every rank ends with.
 
     Args:
         inputs: rank-ordered 1-D tensors (one per rank, same length and dtype).
         codec: the wire format.
         op: ``"sum"`` or ``"avg"``.
+        avg_over: as in :func:`codec_all_reduce`.
     """
     n = len(inputs)
+    divisor = avg_divisor(op, avg_over, n, "reference_all_reduce")
     numel = inputs[0].numel()
     dtype = inputs[0].dtype
     chunk = chunk_layout(numel, n, codec)
@@ -313,8 +319,8 @@ def reference_all_reduce(inputs: Sequence[torch.Tensor], codec: Codec, op: str =
         dec = codec.decode(codec.encode(padded.view(n, chunk)), chunk, acc_dtype)
         acc = dec if acc is None else acc.add_(dec)
     assert acc is not None
-    if op == "avg":
-        true_div_(acc, n)
+    if divisor is not None:
+        true_div_(acc, divisor)
     out = codec.decode(codec.encode(acc), chunk, dtype).reshape(-1)
     return out[:numel].clone()
 
@@ -484,19 +490,23 @@ def check_wire(name: str, *, allowed: Sequence[str] = WIRE_CODECS, what: str = "
 
 def wire_all_reduce(comm: Comm, flat: torch.Tensor, codec: WireCodec, *, op: str = "avg",
                     async_op: bool = False, tag: str = "",
-                    residual_out: torch.Tensor | None = None) -> CodecHandle | GatherHandle:
+                    residual_out: torch.Tensor | None = None,
+                    avg_over: int | None = None) -> CodecHandle | GatherHandle:
     """:func:`codec_all_reduce` for a :class:`Codec`, :func:`~lowband.comm.compress.gather_all_reduce`
     for a message codec (same arguments, same guarantees: bitwise-identical results on every rank)."""
     if isinstance(codec, Codec):
-        return codec_all_reduce(comm, flat, codec, op=op, async_op=async_op, tag=tag, residual_out=residual_out)
-    return gather_all_reduce(comm, flat, codec, op=op, async_op=async_op, tag=tag, residual_out=residual_out)
+        return codec_all_reduce(comm, flat, codec, op=op, async_op=async_op, tag=tag, residual_out=residual_out,
+                                avg_over=avg_over)
+    return gather_all_reduce(comm, flat, codec, op=op, async_op=async_op, tag=tag, residual_out=residual_out,
+                             avg_over=avg_over)
 
 
-def reference_wire_all_reduce(inputs: Sequence[torch.Tensor], codec: WireCodec, op: str = "avg") -> torch.Tensor:
+def reference_wire_all_reduce(inputs: Sequence[torch.Tensor], codec: WireCodec, op: str = "avg",
+                              avg_over: int | None = None) -> torch.Tensor:
     """Single-process reference of :func:`wire_all_reduce`: what every rank ends with."""
     if isinstance(codec, Codec):
-        return reference_all_reduce(inputs, codec, op)
-    return reference_gather_all_reduce(inputs, codec, op)
+        return reference_all_reduce(inputs, codec, op, avg_over)
+    return reference_gather_all_reduce(inputs, codec, op, avg_over)
 
 
 def wire_bytes_per_rank(codec: WireCodec, numel: int, n: int) -> int:

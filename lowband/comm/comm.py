@@ -216,6 +216,15 @@ def true_div(t: torch.Tensor, divisor: float) -> torch.Tensor:
     return torch.div(t, torch.full((), divisor, dtype=t.dtype, device=t.device))
 
 
+def avg_divisor(op: str, avg_over: int | None, n: int, what: str) -> int | None:
+    """What ``op`` divides the sum by: ``None`` for ``"sum"``, else ``avg_over`` (1..N) or ``N``."""
+    if avg_over is not None:
+        if op != "avg" or isinstance(avg_over, bool) or not isinstance(avg_over, int) or not 1 <= avg_over <= n:
+            raise ValueError(f"{what}: avg_over={avg_over!r} needs op='avg' and 1 <= avg_over <= {n} (the ranks)")
+        return avg_over
+    return n if op == "avg" else None
+
+
 def true_div_(t: torch.Tensor, divisor: float) -> torch.Tensor:
     """In-place :func:`true_div`."""
     return t.div_(torch.full((), divisor, dtype=t.dtype, device=t.device))

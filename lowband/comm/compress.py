@@ -67,7 +67,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowband.comm.comm import Comm, CommHandle, true_div, true_div_
+from lowband.comm.comm import Comm, CommHandle, avg_divisor, true_div, true_div_
 from lowband.comm.rice import decode_offsets, encode_offsets, rice_parameter, slot_bits
 
 LOWBIT = {"int4": 4, "int2": 2}
@@ -396,7 +396,7 @@ class GatherHandle:
 
 def gather_all_reduce(comm: Comm, flat: torch.Tensor, codec: MessageCodec, *, op: str = "avg",
                       async_op: bool = False, tag: str = "",
-                      residual_out: torch.Tensor | None = None) -> GatherHandle:
+                      residual_out: torch.Tensor | None = None, avg_over: int | None = None) -> GatherHandle:
     """Reduce the 1-D float tensor ``flat`` in place over ``comm`` with a message codec on the wire.
 
     Communication: one all-gather of every rank's ``message_nbytes(flat.numel())``-byte message
@@ -412,9 +412,12 @@ def gather_all_reduce(comm: Comm, flat: torch.Tensor, codec: MessageCodec, *, op
         tag: ledger tag.
         residual_out: if given (same shape and dtype as ``flat``), receives ``flat - decode(encode(flat))``
             of this rank's own message, before the exchange.
+        avg_over: ``op="avg"`` divides the sum by this many instead of ``N`` (the ranks that contributed,
+            when the others send zeros).
     """
     if op not in ("sum", "avg"):
         raise ValueError(f"gather_all_reduce: op {op!r} not in ('sum', 'avg')")
+    divisor = avg_divisor(op, avg_over, comm.size, "gather_all_reduce")
     if flat.dim() != 1 or not flat.is_contiguous() or not flat.is_floating_point():
         raise ValueError("gather_all_reduce: flat must be a contiguous 1-D float tensor")
     n, m = comm.size, flat.numel()
@@ -434,8 +437,8 @@ def gather_all_reduce(comm: Comm, flat: torch.Tensor, codec: MessageCodec, *, op
         acc = decoded(msgs[0]).clone()
         for i in range(1, n):
             acc.add_(decoded(msgs[i]))
-        if op == "avg":
-            true_div_(acc, n)
+        if divisor is not None:
+            true_div_(acc, divisor)
         flat.copy_(acc)
         return flat
 
@@ -446,9 +449,10 @@ def gather_all_reduce(comm: Comm, flat: torch.Tensor, codec: MessageCodec, *, op
 
 
 def reference_gather_all_reduce(inputs: Sequence[torch.Tensor], codec: MessageCodec,
-                                op: str = "avg") -> torch.Tensor:
+                                op: str = "avg", avg_over: int | None = None) -> torch.Tensor:
     """Single-process reference of :func:`gather_all_reduce`: what every rank ends with."""
     n = len(inputs)
+    divisor = avg_divisor(op, avg_over, n, "reference_gather_all_reduce")
     m = inputs[0].numel()
     dtype = inputs[0].dtype
     acc = None
@@ -456,7 +460,7 @@ def reference_gather_all_reduce(inputs: Sequence[torch.Tensor], codec: MessageCo
         dec = codec.decode(codec.encode(x.reshape(-1)), m, _acc_dtype(dtype))
         acc = dec.clone() if acc is None else acc.add_(dec)
     assert acc is not None
-    if op == "avg":
-        true_div_(acc, n)
+    if divisor is not None:
+        true_div_(acc, divisor)
     return acc.to(dtype)
 

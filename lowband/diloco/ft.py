@@ -14,8 +14,14 @@ and the user's ``state_dict`` / ``load_state_dict`` for the model and inner opti
   raises ``ValueError`` on every participant naming the setting (:meth:`TorchftMembership._check_settings`);
 * the fragment to sync is ``manager.current_step() % n`` (the committed step, identical on every
   member after the quorum);
-* the pseudo-gradient is averaged over the quorum's participants. Wire ``fp32``: with
-  ``manager.allreduce`` (sum then division by the number of participants), recorded in the ledger as
+* the pseudo-gradient is averaged over the quorum's participants **that did not heal** in it: a replica
+  healed at this quorum holds its source's weights, so its pseudo-gradient would be a copy of its source's
+  (that work counted twice, its own discarded work not at all); it sends zeros instead, and every
+  participant divides the sum by the number of up-to-date participants, ``U`` (the quorum's members at its
+  maximum committed step; ``U = 1`` at step 0 when the manager has torchft's ``init_sync``, where every
+  member but the first heals). ``U`` and whether this replica healed come from torchft's quorum result
+  (:class:`_QuorumTap`), the same on every participant, so no extra message is sent. Wire ``fp32``: with
+  ``manager.allreduce`` (sum then division by the number of participants; by ``U`` after it), recorded in the ledger as
   one ``all_reduce`` per bucket (algorithm ``torchft``, tag ``diloco:frag<i>``). **Every other wire
   codec** (``bf16``, ``fp8``, ``int8``, ``int4``, ``int2``, ``topk``, ``topk-int4``, ``topk-int2``):
   with lowband's own codec all-reduce (:func:`~lowband.comm.codecs.wire_all_reduce`) over the
@@ -23,7 +29,8 @@ and the user's ``state_dict`` / ``load_state_dict`` for the model and inner opti
   participating rank): the two-phase codecs one ``all_to_all`` and one ``all_gather`` per bucket
   (``2 (N-1)/N`` of the encoded buffer), the message codecs one ``all_gather`` of every participant's
   message (``(N-1)`` messages), the same bytes and bitwise the same results as with static
-  membership over ``N`` = the participants of the current quorum; every record has group ``ft``,
+  membership over ``N`` = the participants of the current quorum (with ``avg_over = U`` when some healed);
+  every record has group ``ft``,
   algorithm ``torchft``. In every case errors and timeouts are recorded by the manager instead of
   raised (then that replica's ``should_commit()`` is False; the outputs of a failed codec collective
   are zeroed, never decoded from garbage);
@@ -70,6 +77,7 @@ import torch
 
 from lowband.comm import CommLedger, default_ledger
 from lowband.comm.codecs import CodecHandle, WireCodec, wire_all_reduce
+from lowband.comm.comm import true_div_
 from lowband.comm.compress import GatherHandle
 from lowband.comm.ledger import CommRecord, ring_wire_bytes
 from lowband.diloco.ft_comm import TorchftComm
@@ -98,13 +106,38 @@ class FtQuorumError(RuntimeError):
     """No quorum formed within the manager's quorum timeout (Lighthouse gone, too few replica groups)."""
 
 
-class _WorkHandle:
-    """Adapter of a torchft ``Work`` to the handle interface StreamingDiLoCo polls and waits."""
+class _QuorumTap:
+    """Stands in for a ``torchft.Manager``'s ``_client`` (its ``ManagerClient``) and keeps the last quorum
+    result, whose ``heal``, ``max_step`` and ``max_world_size`` the Manager does not keep; everything
+    else goes to the client unchanged. ``_quorum`` runs on the Manager's quorum thread, and
+    ``start_quorum()`` (synchronous quorum) returns after it, so the main thread reads ``last`` then."""
 
-    def __init__(self, work: Any, record: CommRecord, t0: float) -> None:
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.last: Any = None
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        self.last = None
+        result = self._client._quorum(*args, **kwargs)
+        self.last = result
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+class _WorkHandle:
+    """Adapter of a torchft ``Work`` to the handle interface StreamingDiLoCo polls and waits; with
+    ``divisor`` the summed result is divided by it once complete (an average over the up-to-date
+    participants)."""
+
+    def __init__(self, work: Any, record: CommRecord, t0: float, flat: torch.Tensor | None = None,
+                 divisor: int | None = None) -> None:
         self._work = work
         self._record = record
         self._t0 = t0
+        self._flat = flat
+        self._divisor = divisor
         self._done = False
 
     def poll(self) -> bool:
@@ -113,6 +146,8 @@ class _WorkHandle:
     def wait(self) -> None:
         if not self._done:
             self._work.wait()
+            if self._divisor is not None and self._flat is not None:
+                true_div_(self._flat, self._divisor)
             self._done = True
             self._record.elapsed_s = time.perf_counter() - self._t0
 
@@ -140,6 +175,9 @@ class TorchftMembership:
         self._checked_quorum: int | None = None  # torchft quorum id whose settings agreed
         self._started = False  # the first quorum has been asked for
         self._diloco: StreamingDiLoCo | None = None
+        client = getattr(manager, "_client", None)
+        if client is not None and not isinstance(client, _QuorumTap):
+            manager._client = _QuorumTap(client)
 
     # ------------------------------------------------------------------------------ set-up
     def attach(self, diloco: StreamingDiLoCo) -> None:
@@ -197,6 +235,28 @@ class TorchftMembership:
         self._check_settings(diloco)
         diloco.committed = self.manager.current_step()
 
+    def contributors(self) -> tuple[int, bool]:
+        """``(U, healed)`` of the current quorum: how many participants are up to date (did not heal), and
+        whether this replica healed. torchft 0.2.0's rule (its ``compute_quorum_results``): a member heals
+        when its step is below the quorum's maximum, or, with ``init_sync``, when the maximum is 0 and it is
+        not the first member at it. Without a quorum result (a manager without ``_client``) every participant
+        counts."""
+        n = int(self.manager.num_participants())
+        tap = getattr(self.manager, "_client", None)
+        q = getattr(tap, "last", None)
+        if q is None or n < 1:
+            return max(n, 1), False
+        if int(q.max_step) == 0 and bool(getattr(self.manager, "_init_sync", True)):
+            up = 1
+        else:
+            up = int(q.max_world_size)
+        healed = bool(q.heal)
+        if not 1 <= up <= n or (healed and up >= n):
+            raise RuntimeError(f"diloco ft: torchft's quorum result does not fit its healing rule ({n} participants, "
+                               f"{up} at the maximum step {q.max_step}, this replica healed: {healed}); lowband "
+                               "supports torchft 0.2.0")
+        return up, healed
+
     def _check_settings(self, diloco: StreamingDiLoCo) -> None:
         """At the first sync of every new quorum (torchft's quorum id changed): all-gather an 8-byte digest
         of each of ``diloco.agreed_settings`` over the quorum's participants and raise ``ValueError`` on
@@ -239,24 +299,32 @@ class TorchftMembership:
 
     def all_reduce(self, flat: torch.Tensor, codec: WireCodec, tag: str,
                    residual_out: torch.Tensor | None = None) -> _WorkHandle | CodecHandle | GatherHandle:
-        """Average ``flat`` in place over the quorum's participants (asynchronous; errors go to the
-        manager, never raised). ``fp32``: ``manager.allreduce``; any other codec: ``wire_all_reduce``
-        over :class:`~lowband.diloco.ft_comm.TorchftComm`, with ``residual_out`` receiving this
-        replica's own encoding error (error feedback)."""
+        """Average ``flat`` in place over the quorum's up-to-date participants (asynchronous; errors go to
+        the manager, never raised); a replica healed at this quorum sends zeros. ``fp32``:
+        ``manager.allreduce``; any other codec: ``wire_all_reduce`` over
+        :class:`~lowband.diloco.ft_comm.TorchftComm`, with ``residual_out`` receiving this replica's own
+        encoding error (error feedback; zero for a healed replica)."""
+        n = int(self.manager.num_participants())
+        up, healed = self.contributors()
+        if healed:  # a copy of its source's pseudo-gradient: that work is already counted
+            flat.zero_()
         if codec.name != "fp32":
             comm = TorchftComm(self.manager, self.ledger)
             return wire_all_reduce(comm, flat, codec, op="avg", async_op=True, tag=tag,  # type: ignore[arg-type]
-                                   residual_out=residual_out)
+                                   residual_out=residual_out, avg_over=up if up < comm.size else None)
         if residual_out is not None:  # fp32 is exact for fp32 buffers; error feedback is then off anyway
             residual_out.zero_()
 
         t0 = time.perf_counter()
-        n = self.manager.num_participants()
         esize = flat.element_size()
         rec = self.ledger.add(CommRecord(op="all_reduce", group="ft", group_size=n, numel=flat.numel(),
                                          wire_dtype=str(flat.dtype).removeprefix("torch."),
                                          wire_bytes=ring_wire_bytes("all_reduce", n, flat.numel() * esize),
                                          algorithm="torchft", tag=tag, async_op=True))
+        if up < n:  # sum, then divide by the up-to-date participants
+            from torch.distributed import ReduceOp
+
+            return _WorkHandle(self.manager.allreduce(flat, reduce_op=ReduceOp.SUM), rec, t0, flat, up)
         return _WorkHandle(self.manager.allreduce(flat), rec, t0)
 
     def should_commit(self) -> bool:

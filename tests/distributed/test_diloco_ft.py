@@ -90,6 +90,7 @@ def _replica(replica: int, attempt: int, lighthouse: str, cfg: dict[str, Any], o
         rolled_back = all(torch.equal(p, g) for p, g in zip(d.frags[frag].params, d.globals[frag]))
         _put(out, ("attempt", replica, attempt, {
             "step": d.committed, "fragment": frag, "ok": ok, "rolled_back": rolled_back,
+            "healed": d.membership.contributors()[1],  # healed at this attempt's quorum: sent zeros
             "globals": [[g.clone() for g in gs] for gs in d.globals],
             "outer": [[o.state[p]["momentum_buffer"].clone() for p in o.param_groups[0]["params"]
                        if "momentum_buffer" in o.state[p]] for o in d.outer],

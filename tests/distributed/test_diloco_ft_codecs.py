@@ -41,7 +41,7 @@ NUMEL = 1000  # not a multiple of any block or chunk: padding is exercised
 TIMEOUT_S = 150
 
 
-def _manager(replica: int, lighthouse: str, state_dict: Any, load_state_dict: Any) -> Any:
+def _manager(replica: int, lighthouse: str, state_dict: Any, load_state_dict: Any, init_sync: bool = True) -> Any:
     import torch.distributed as dist
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo
@@ -52,7 +52,7 @@ def _manager(replica: int, lighthouse: str, state_dict: Any, load_state_dict: An
                       replica_id=f"replica{replica}", store_addr="localhost", store_port=store.port, rank=0,
                       world_size=1, lighthouse_addr=lighthouse, hostname="localhost",
                       timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=60),
-                      connect_timeout=timedelta(seconds=20))
+                      connect_timeout=timedelta(seconds=20), init_sync=init_sync)
     manager._lowband_store = store  # keep the store alive as long as the manager
     return manager
 
@@ -63,15 +63,16 @@ def _inputs(replica: int, rnd: int, idx: int) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------- collective level
-def _coll_replica(replica: int, lighthouse: str, rounds: list[dict], gates: list, out: Any) -> None:
+def _coll_replica(replica: int, lighthouse: str, rounds: list[dict], gates: list, out: Any,
+                  init_sync: bool) -> None:
     """Per round: wait for its gate (if any), quorum, one ``all_reduce`` per codec (all issued, then
     polled in order up to the first not advanced, then waited in order), optional injected ``report_error``,
-    ``should_commit``; report it all."""
+    ``should_commit``; report it all (with the quorum's up-to-date count and whether this replica healed)."""
     from lowband.comm import CommLedger
     from lowband.diloco.ft import TorchftMembership
 
     torch.set_num_threads(1)
-    manager = _manager(replica, lighthouse, lambda: {"w": torch.zeros(1)}, lambda sd: None)
+    manager = _manager(replica, lighthouse, lambda: {"w": torch.zeros(1)}, lambda sd: None, init_sync=init_sync)
     ledger = CommLedger()
     membership = TorchftMembership(manager, ledger=ledger)
     _put(out, ("ready", replica, -1, {}))
@@ -82,6 +83,7 @@ def _coll_replica(replica: int, lighthouse: str, rounds: list[dict], gates: list
             gates[spec["gate"]].wait()
         manager.start_quorum()
         rank, n = manager.participating_rank(), manager.num_participants()
+        up, healed = membership.contributors()
         inject = replica in spec.get("inject_on", ()) and spec.get("inject")
         if inject == "before":
             manager.report_error(RuntimeError("injected failure before the collective"))
@@ -108,22 +110,32 @@ def _coll_replica(replica: int, lighthouse: str, rounds: list[dict], gates: list
                     for r in ledger.select(tag=f"r{rnd}:{name}")]
             results[name] = {"input": x, "result": flat.clone(), "residual": res.clone(), "raised": raised,
                              "records": recs}
+        exact = None
+        if spec.get("fp32"):  # manager.allreduce; integer values: any summation order gives the same sum
+            x = torch.randint(-1000, 1000, (NUMEL,), generator=torch.Generator().manual_seed(7 * replica + rnd))
+            flat = x.float()
+            membership.all_reduce(flat, get_wire("fp32"), f"r{rnd}:fp32").wait()
+            exact = {"input": x.float(), "result": flat.clone()}
         ok = bool(manager.should_commit())
-        _put(out, ("round", replica, rnd, {"rank": rank, "n": n, "ok": ok, "results": results}))
+        _put(out, ("round", replica, rnd, {"rank": rank, "n": n, "ok": ok, "results": results, "up": up,
+                                           "healed": healed, "fp32": exact}))
     _put(out, ("done", replica, -1, {}))
     manager.shutdown(wait=False)
 
 
-def _drive(nrep: int, rounds: list[dict], kill: tuple[int, int] | None = None) -> dict[int, dict[int, dict]]:
+def _drive(nrep: int, rounds: list[dict], kill: tuple[int, int] | None = None,
+           init_sync: bool = False) -> dict[int, dict[int, dict]]:
     """Run ``nrep`` collective-level replicas; gate 0 opens once all are ready (so the first quorum
     has all of them); with ``kill = (replica, gate)`` that replica is SIGKILLed once every replica has
-    reported the round before ``gate`` opens, then the gate opens. Returns {round: {replica: info}}."""
+    reported the round before ``gate`` opens, then the gate opens. ``init_sync``: torchft's (every
+    replica but the first heals at step 0). Returns {round: {replica: info}}."""
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=30_000,
                                   heartbeat_timeout_ms=1_000)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     gates = [ctx.Event() for _ in range(2)]
-    procs = {r: ctx.Process(target=_coll_replica, args=(r, lighthouse.address(), rounds, gates, out), daemon=True)
+    procs = {r: ctx.Process(target=_coll_replica, args=(r, lighthouse.address(), rounds, gates, out, init_sync),
+                             daemon=True)
              for r in range(nrep)}
     for p in procs.values():
         p.start()
@@ -169,21 +181,27 @@ def _drive(nrep: int, rounds: list[dict], kill: tuple[int, int] | None = None) -
     return by
 
 
-def _check_round(infos: dict[int, dict], n: int) -> None:
-    """Every replica committed, saw ``n`` participants with distinct ranks, and got the reference."""
+def _check_round(infos: dict[int, dict], n: int, healed: set[int] = frozenset()) -> None:
+    """Every replica committed, saw ``n`` participants with distinct ranks, the replicas in ``healed``
+    (and only they) healed at the quorum, and every replica got the reference: the healed replicas' inputs
+    replaced by zeros, the sum divided by the up-to-date ones."""
     assert len(infos) == n and all(i["ok"] and i["n"] == n for i in infos.values()), \
         {r: (i["ok"], i["n"], i["rank"]) for r, i in infos.items()}
     order = sorted(infos, key=lambda r: infos[r]["rank"])
     assert [infos[r]["rank"] for r in order] == list(range(n))
+    assert {r for r in infos if infos[r]["healed"]} == set(healed)
+    up = n - len(healed)
+    assert all(i["up"] == up for i in infos.values()), {r: i["up"] for r, i in infos.items()}
     for name in infos[order[0]]["results"]:
         codec = get_wire(name)
-        inputs = [infos[r]["results"][name]["input"] for r in order]
-        ref = reference_wire_all_reduce(inputs, codec)
+        inputs = [torch.zeros_like(infos[r]["results"][name]["input"]) if r in healed
+                  else infos[r]["results"][name]["input"] for r in order]
+        ref = reference_wire_all_reduce(inputs, codec, avg_over=up)
         for r in order:
             res = infos[r]["results"][name]
             assert res["raised"] is None, res["raised"]
             assert torch.equal(res["result"], ref), f"{name}: replica {r} differs from the reference (n={n})"
-            x = res["input"]
+            x = torch.zeros_like(res["input"]) if r in healed else res["input"]
             assert torch.equal(res["residual"], x - sender_roundtrip(codec, x, n)), f"{name}: residual"
             recs = res["records"]
             ops = ["all_to_all", "all_gather"] if isinstance(codec, Codec) else ["all_gather"]
@@ -192,6 +210,10 @@ def _check_round(infos: dict[int, dict], n: int) -> None:
                        for rec in recs), recs
             assert sum(rec[5] for rec in recs) == wire_bytes_per_rank(codec, NUMEL, n), (name, recs)
         assert not torch.equal(ref, inputs[0])  # lossy: the test would notice a plain copy
+    if infos[order[0]]["fp32"] is not None:  # fp32 wire (manager.allreduce): exact sums of integers
+        ref = sum(infos[r]["fp32"]["input"] for r in order if r not in healed) / up
+        for r in order:
+            assert torch.equal(infos[r]["fp32"]["result"], ref), f"fp32: replica {r} (n={n}, U={up})"
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +230,9 @@ def two_replica_rounds() -> dict[int, dict[int, dict]]:
 
 def test_codecs_match_reference_two_replicas(two_replica_rounds: dict) -> None:
     _check_round(two_replica_rounds[0], 2)
-    _check_round(two_replica_rounds[4], 2)  # after three failed steps, everything works again
+    # after three failed steps everything works again; replica 1 missed round 3's commit, so it heals from
+    # replica 0 at round 4's quorum and sends zeros: the result is replica 0's contribution alone
+    _check_round(two_replica_rounds[4], 2, healed={1})
 
 
 def test_injected_failure_is_not_committed_and_never_decodes_garbage(two_replica_rounds: dict) -> None:
@@ -229,6 +253,22 @@ def test_injected_failure_is_not_committed_and_never_decodes_garbage(two_replica
                         [infos[r]["results"][name]["input"] for r in sorted(infos, key=lambda r: infos[r]["rank"])],
                         get_wire(name))
                     assert torch.equal(res["result"], ref)
+
+
+def test_healed_replicas_send_zeros_and_the_rest_average() -> None:
+    """A replica healed at a quorum holds its source's weights: its pseudo-gradient would count the source's
+    work twice. With torchft's ``init_sync`` every replica but the first heals at step 0 (U = 1); a replica
+    that missed a commit heals at the next quorum (U = 2 of 3). Every replica gets, bitwise, the reference
+    with the healed inputs zeroed and the sum divided by U; a healed replica's residual is zero."""
+    rounds = [{"gate": 0, "codecs": CODECS, "fp32": True},
+              {"codecs": ("topk", "topk-int2"), "inject": "during", "inject_on": (2,)},  # one phase each
+              {"codecs": CODECS, "fp32": True}]
+    by = _drive(3, rounds, init_sync=True)
+    assert len(by[0]) == 3 and sum(i["healed"] for i in by[0].values()) == 2
+    _check_round(by[0], 3, healed={r for r, i in by[0].items() if i["healed"]})
+    assert not any(i["healed"] for i in by[1].values()) and [by[1][r]["ok"] for r in range(3)] == [True, True, False], \
+        {r: (i["ok"], i["healed"], i["up"]) for r, i in by[1].items()}
+    _check_round(by[2], 3, healed={2})
 
 
 def test_codecs_three_replicas_then_one_killed() -> None:
@@ -258,13 +298,16 @@ def test_streaming_diloco_topk_int2_rollback_keeps_residual() -> None:
         for ga, gb in zip(a["globals"], b["globals"]):
             assert all(torch.equal(x, y) for x, y in zip(ga, gb)), f"global copies differ at step {s}"
     codec = get_wire("topk-int2")
+    # torchft's init_sync: at step 0 the replica that is not the quorum's first heals from it and sends zeros
+    assert sorted(next(info["healed"] for rr, info in attempts if rr == r) for r in range(2)) == [False, True]
     for r in range(2):
         mine = [info for rr, info in attempts if rr == r]
         seq = [(i["step"], i["fragment"], i["ok"]) for i in mine]
         assert seq[:4] == [(1, 0, True), (2, 1, True), (2, 0, False), (3, 0, True)], seq
         before, failed, retried = mine[1], mine[2], mine[3]
         assert failed["rolled_back"]
-        assert bool(before["residuals"][0].abs().sum() > 0)  # error feedback holds dropped mass
+        # error feedback holds dropped mass; a replica that sent zeros has none
+        assert bool(before["residuals"][0].abs().sum() > 0) is not mine[0]["healed"]
         for ra, rb in zip(before["residuals"], failed["residuals"]):
             assert torch.equal(ra, rb)  # rollback keeps every residual, the failed fragment's included
         assert not torch.equal(retried["residuals"][0], failed["residuals"][0])  # the retry commits a new one

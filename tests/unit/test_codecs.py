@@ -242,6 +242,34 @@ def test_single_rank_wire_all_reduce_matches_reference_and_residual(name: str) -
     assert ledger.count(tag="t") == (1 if name in MESSAGE_CODECS else 2) and ledger.wire_bytes() == 0
 
 
+@pytest.mark.parametrize("name", ["int8", "topk-int2"])
+def test_avg_over_divides_by_the_contributors(name: str) -> None:
+    """``avg_over=U``: the sum divided by U instead of N (fault-tolerant DiLoCo: healed replicas send zeros).
+    Three inputs, the third zero: the reference with U = 2 is (x0 + x1) / 2 through the codec, which differs
+    from the plain average over 3; a single rank with U = 1 is the plain reduction; U outside 1..N and U
+    with op 'sum' are refused."""
+    codec = get_wire(name, block_size=16, topk_chunk=32, topk_k=8)
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(101, generator=g), torch.randn(101, generator=g), torch.zeros(101)]
+    two = reference_wire_all_reduce(xs, codec, avg_over=2)
+    three = reference_wire_all_reduce(xs, codec)
+    summed = reference_wire_all_reduce(xs, codec, op="sum")
+    assert not torch.equal(two, three)
+    if name == "topk-int2":  # a message codec divides the decoded sum: exactly the sum / 2
+        assert torch.equal(two, summed / 2)
+    else:  # int8 re-encodes the reduced chunk: sum / 2 and sum are each within half a quantum (block max / 127)
+        assert torch.allclose(two, summed / 2, rtol=0, atol=float(summed.abs().max()) / 127)
+    comm = Comm(ledger=CommLedger())
+    y = xs[0].clone()
+    wire_all_reduce(comm, y, codec, avg_over=1)
+    assert torch.equal(y, reference_wire_all_reduce(xs[:1], codec))
+    for bad, op in ((0, "avg"), (2, "avg"), (True, "avg"), (1, "sum")):
+        with pytest.raises(ValueError, match="avg_over"):
+            wire_all_reduce(comm, xs[0].clone(), codec, op=op, avg_over=bad)
+    with pytest.raises(ValueError, match="avg_over"):
+        reference_wire_all_reduce(xs, codec, avg_over=4)
+
+
 @pytest.mark.parametrize("divisor", [3.0, 7.0, 127.0, 448.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_true_div_is_ieee_division_not_a_reciprocal_multiply(divisor: float, dtype: torch.dtype) -> None:
