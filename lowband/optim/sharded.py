@@ -162,6 +162,12 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` (same shape and dtype) hold the same bits (NaNs included), compared as integers."""
+    bits = _BITS[a.element_size()]
+    return torch.equal(a.view(bits), b.view(bits))
+
+
 def _checksum(t: torch.Tensor) -> tuple[int, int]:
     """Order-independent integer checksum of a tensor's bits (equal bits give equal sums on any CPU or
     GPU: integer sums wrap exactly, whatever the reduction order), plus its numel."""
@@ -1259,12 +1265,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         to the parameter dtype, or to the gather's wire dtype first) were written since by code outside the
         optimizer (``model.load_state_dict`` to roll back, ``p.mul_`` under ``no_grad``, an EMA swap): their
         master takes the written value, as torch's optimizers start the next step from the parameters as they
-        are. Local; no communication."""
-        stored = master.to(own.dtype)
-        edited = own != stored
+        are. Local; no communication. Cost when nothing was written (the common case): one rounding of the
+        master and one bitwise compare of the owned slice; the elementwise pass runs only when something was."""
         wire = self._param_wire(unit)
-        if wire != own.dtype:
-            edited &= own != master.to(wire).to(own.dtype)
+        stored = master.to(own.dtype)
+        gathered = master.to(wire).to(own.dtype) if wire != own.dtype else stored  # what the gather left there
+        if _same_bits(own, gathered) or (gathered is not stored and _same_bits(own, stored)):
+            return
+        edited = own != stored
+        if gathered is not stored:
+            edited &= own != gathered
         edited &= ~(own.isnan() & stored.isnan())
         if bool(edited.any()):
             master.copy_(torch.where(edited, own.to(master.dtype), master))
