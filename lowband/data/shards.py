@@ -26,6 +26,15 @@ class ShardError(ValueError):
     """A token shard is missing or malformed; the message names the file and what was expected."""
 
 
+VAL_TAIL_DIVISOR = 20
+"""Without a validation set of its own, the last ``1/VAL_TAIL_DIVISOR`` of the training tokens is held out."""
+
+
+def val_tail_len(n_train: int) -> int:
+    """Tokens held out of ``n_train`` training tokens as the validation tail (at least one)."""
+    return max(n_train // VAL_TAIL_DIVISOR, 1)
+
+
 def write_shard(path: str | os.PathLike, tokens: np.ndarray | list[int]) -> Path:
     """Write ``tokens`` (1-D, integer ids in ``[0, 65536)``) as a ``.bin`` shard at ``path``, atomically.
 

@@ -88,13 +88,17 @@ class TPStateLayout:
             ``parallel_mesh.device_mesh(dev)["dp", "tp"]`` (:meth:`lowband.parallel.mesh.ParallelMesh.device_mesh`:
             the mesh's own groups, what the trainer's ``tp`` strategy passes); ``None``: one is created on first
             use with ``init_device_mesh`` (new process groups, every rank alike).
+        include_buffers: the model's persistent buffers are ``"model"`` entries (default ``True``; DCP writes
+            rank 0's); ``False`` leaves them out, for a caller that saves every rank's buffers itself (lowband's
+            trainer).
 
     Communication: none of its own beyond a created ``DeviceMesh``'s groups; DCP moves the bytes.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, tp_size: int, dp_size: int, *,
-                 device_mesh: Any = None) -> None:
+                 device_mesh: Any = None, include_buffers: bool = True) -> None:
         self.model, self.optimizer = model, optimizer
+        self.include_buffers = include_buffers
         self.t, self.dp = tp_size, dp_size
         self.params = dict(model.named_parameters())
         self.names = {id(p): n for n, p in self.params.items()}
@@ -107,8 +111,9 @@ class TPStateLayout:
     # ------------------------------------------------------------------------------------ helpers
     @property
     def buffers(self) -> dict[str, torch.Tensor]:
-        """The model's persistent buffers by state-dict name (read anew: a module may rebind a buffer)."""
-        return dict(persistent_buffers(self.model))
+        """The model's persistent buffers by state-dict name (read anew: a module may rebind a buffer); none
+        without ``include_buffers``."""
+        return dict(persistent_buffers(self.model)) if self.include_buffers else {}
 
     def mesh(self):
         if self._mesh is None:

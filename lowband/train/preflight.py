@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from lowband.data.shards import ShardError
+from lowband.data.shards import VAL_TAIL_DIVISOR, ShardError, val_tail_len
 from lowband.train.config import Config, ConfigError
 from lowband.train.errors import warn
 from lowband.train.lock import LockError, RunLock, acquire_all
@@ -130,11 +130,12 @@ def check_data(cfg: Config, world: int) -> None:
     micro = d.batch_size // d.grad_accum
     if d.source == "bin":
         n_train = _vocab_check(d.train_bin, "data.train_bin", m.vocab_size)
-        n_val = _vocab_check(d.val_bin, "data.val_bin", m.vocab_size) if d.val_bin else max(n_train // 20, 1)
+        n_val = _vocab_check(d.val_bin, "data.val_bin", m.vocab_size) if d.val_bin else val_tail_len(n_train)
         if not d.val_bin:
             n_train -= n_val  # the tail is held out of training
         train_what = f"data.train_bin {d.train_bin!r}" + ("" if d.val_bin else " (without its validation tail)")
-        val_what = f"data.val_bin {d.val_bin!r}" if d.val_bin else "the validation tail (last 1/20) of data.train_bin"
+        val_what = f"data.val_bin {d.val_bin!r}" if d.val_bin else (f"the validation tail (last 1/{VAL_TAIL_DIVISOR}) "
+                                                                      "of data.train_bin")
     elif d.source == "text":
         train, val, _ = text_source(cfg)
         n_train, n_val = int(train.size), int(val.size)

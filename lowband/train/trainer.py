@@ -94,6 +94,7 @@ def load_token_arrays(cfg: Config, env: DistEnv) -> tuple[np.ndarray, np.ndarray
     (``data.source = text``: rank 0 builds or finds the cache, then one ``all_gather_object`` on the metrics
     ``Comm`` (tag ``corpus``) gives every rank its folder, or the same error), or .bin shards."""
     from lowband.data import builtin_corpus, load_tokens
+    from lowband.data.shards import val_tail_len
 
     if cfg.data.source == "text":
         from lowband.data.text import read_cache
@@ -124,7 +125,7 @@ def load_token_arrays(cfg: Config, env: DistEnv) -> tuple[np.ndarray, np.ndarray
         train = load_tokens(cfg.data.train_bin)
         if cfg.data.val_bin:
             return train, load_tokens(cfg.data.val_bin)
-        held = max(len(train) // 20, 1)  # the validation tail, held out of training (it was trained on too)
+        held = val_tail_len(len(train))  # the validation tail, held out of training
         return train[:len(train) - held], train[len(train) - held:]
     if env.world_size > 1 and env.rank != 0:
         env.metrics_comm.barrier(tag="corpus")

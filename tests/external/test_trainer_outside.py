@@ -166,13 +166,14 @@ def _run_groups(cfg: Config) -> dict:
 
 @pytest.mark.parametrize(("strategy", "factory"), [("ddp", FACTORY), ("sharded-adamw", FACTORY),
                                                    ("ddp", RUNNING_LOSS), ("sharded-adamw", RUNNING_LOSS),
-                                                   ("diloco", RUNNING_LOSS)])
+                                                   ("diloco", RUNNING_LOSS), ("tp", RUNNING_LOSS)])
 def test_stop_and_resume_from_checkpoint_is_bitwise_exact(shard: str, tmp_path: Path, strategy: str,
                                                           factory: str) -> None:
     """Save at step 2 and at the stop (3), resume from latest to 6: bitwise the uninterrupted run.
     The resumed run rebuilds the per-rank-seeded model, so the loaded state must replace all of it. With
     ``RUNNING_LOSS`` the model holds a persistent buffer that differs per rank and scales the loss: each rank
-    must get its own back (checkpoints once held none for sharded-adamw and diloco, and rank 0's for ddp)."""
+    must get its own back (checkpoints once held none for sharded-adamw and diloco, and rank 0's for ddp; tp
+    saves them once, in the trainer's per-rank file)."""
     full = run_ranks(_run, 2, outside_config(shard, 2, strategy, 2, factory=factory))
     cfg = outside_config(shard, 2, strategy, 2, ckpt_dir=str(tmp_path), every=2, factory=factory)
     first = run_ranks(_run, 2, cfg, stop_after=3)

@@ -137,7 +137,7 @@ class TPStrategy(Strategy):
         if getattr(self, "_ckpt", None) is None:
             dm = self.mesh.device_mesh(self.env.device.type)["dp", "tp"] if self.env.world_size > 1 else None
             self._ckpt = TPStateLayout(self.model.module, self.optimizer, self.mesh.tp.size, self.mesh.dp.size,
-                                       device_mesh=dm)
+                                       device_mesh=dm, include_buffers=False)  # the trainer saves every rank's
         return self._ckpt
 
     def checkpoint_format(self) -> str | None:
