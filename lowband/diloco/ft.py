@@ -10,8 +10,10 @@ and the user's ``state_dict`` / ``load_state_dict`` for the model and inner opti
   inner optimizer (the user's state-dict functions), every fragment's global copy and outer optimizer
   state (registered here under the key ``lowband_diloco``) and the committed step (torchft's own);
 * at the first sync of every new quorum the participants' settings are compared (an 8-byte digest per
-  entry of ``StreamingDiLoCo.agreed_settings``, one all-gather, tag ``diloco:settings``); a difference
-  raises ``ValueError`` on every participant naming the setting (:meth:`TorchftMembership._check_settings`);
+  entry of ``StreamingDiLoCo.agreed_settings``, plus the manager's ``init_sync`` and, without it, the global
+  copies' bits while the quorum is at step 0: no group heals then, so all must start equal; one all-gather,
+  tag ``diloco:settings``); a difference raises ``ValueError`` on every participant naming the setting
+  (:meth:`TorchftMembership._check_settings`);
 * the fragment to sync is ``manager.current_step() % n`` (the committed step, identical on every
   member after the quorum);
 * the pseudo-gradient is averaged over the quorum's participants **that did not heal** in it: a replica
@@ -96,6 +98,21 @@ def _torchft_message(e: BaseException) -> str:
     if 'message: "' in text:
         return text.split('message: "', 1)[1].split('"', 1)[0][:160]
     return (text.splitlines() or [type(e).__name__])[0][:160]
+
+
+STEP0_WEIGHTS = ("the weights at step 0 (torchft init_sync off: give every group the same seed and model, or "
+                 "turn init_sync on, ft.init_sync in the trainer)")
+"""The settings-check entry of the global copies' digest while a quorum is at step 0, without ``init_sync``."""
+
+
+def weights_digest(tensors: Any) -> str:
+    """A hex digest (16 characters) of the bits of ``tensors``, in order."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 class FtSettingsError(ValueError):
@@ -278,8 +295,9 @@ class TorchftMembership:
         if rank is None or n <= 1:
             self._checked_quorum = quorum
             return
-        names = list(diloco.agreed_settings)
-        digests = b"".join(hashlib.sha256(repr(diloco.agreed_settings[k]).encode()).digest()[:8] for k in names)
+        settings = {**diloco.agreed_settings, **self._quorum_settings(diloco)}
+        names = list(settings)
+        digests = b"".join(hashlib.sha256(repr(settings[k]).encode()).digest()[:8] for k in names)
         device = next((p.device for f in diloco.frags for p in f.params), torch.device("cpu"))
         mine = torch.frombuffer(bytearray(digests), dtype=torch.uint8).to(device)
         everyone = torch.zeros(n * mine.numel(), dtype=torch.uint8, device=device)
@@ -293,9 +311,21 @@ class TorchftMembership:
             differ = [r for r in range(n) if not torch.equal(rows[r, k], rows[rank, k])]
             if differ:
                 raise FtSettingsError(f"diloco ft: replica groups disagree on {name} (this group, participant {rank} "
-                                      f"of {n}: {diloco.agreed_settings[name]!r}; participants {differ} have another "
+                                      f"of {n}: {settings[name]!r}; participants {differ} have another "
                                       f"value): refused at join; every replica group must use the same {name}")
         self._checked_quorum = quorum
+
+    def _quorum_settings(self, diloco: StreamingDiLoCo) -> dict[str, object]:
+        """Two more entries every participant compares: the manager's ``init_sync``, and, without it, a digest of
+        the global copies while the quorum is at step 0. Without ``init_sync`` no group heals at step 0, so
+        every group must start from the same weights (the same seed and model); with it, or past step 0, the
+        entry is ``"-"`` (the heal makes the weights equal)."""
+        init_sync = bool(getattr(self.manager, "_init_sync", True))
+        q = getattr(getattr(self.manager, "_client", None), "last", None)
+        step0 = "-"
+        if not init_sync and q is not None and int(q.max_step) == 0:
+            step0 = weights_digest(t for gs in diloco.globals for t in gs)
+        return {"torchft init_sync": init_sync, STEP0_WEIGHTS: step0}
 
     def all_reduce(self, flat: torch.Tensor, codec: WireCodec, tag: str,
                    residual_out: torch.Tensor | None = None) -> _WorkHandle | CodecHandle | GatherHandle:

@@ -16,7 +16,11 @@ hostname, which may resolve to a loopback address on another machine):
   ``HTTPTransport`` always advertises ``socket.gethostname()``);
 * a ``torchft.process_group.ProcessGroupGloo`` with ``FtOptions.timeout_s`` (a hung peer's collective
   fails after this long and the sync is rolled back);
-* ``use_async_quorum=False`` (a quorum precedes each fragment's prepare, :class:`~lowband.diloco.ft.TorchftMembership`).
+* ``use_async_quorum=False`` (a quorum precedes each fragment's prepare, :class:`~lowband.diloco.ft.TorchftMembership`);
+* ``init_sync`` = ``FtOptions.init_sync`` (default ``False``): groups seeded alike start from the same weights,
+  so at step 0 no group heals from the first (torchft's default copies the first group's model and optimizer
+  state to every other group over the slow links, and drops their first inner steps); the settings check
+  compares the weights at step 0 (:data:`~lowband.diloco.ft.STEP0_WEIGHTS`) and refuses groups that differ.
 
 :func:`check_lighthouse` connects to the Lighthouse once (a gRPC connection, ``connect_timeout_s``) so an
 unreachable address is one line before training instead of a quorum timeout later.
@@ -55,6 +59,7 @@ class FtOptions:
         timeout_s: collectives, commit votes and heal transfers; a hung peer costs at most this.
         quorum_timeout_s: how long a quorum may take (waiting for ``min_replicas`` groups).
         connect_timeout_s: connecting to the Lighthouse and to peers' ManagerServers.
+        init_sync: torchft's ``init_sync`` (every group but the first heals at step 0); off by default.
     """
 
     lighthouse: str
@@ -64,6 +69,7 @@ class FtOptions:
     timeout_s: float = 60.0
     quorum_timeout_s: float = 300.0
     connect_timeout_s: float = 60.0
+    init_sync: bool = False
 
     @property
     def advertised_host(self) -> str:
@@ -133,7 +139,8 @@ def build_manager(options: FtOptions, group: Comm, *, state_dict: Callable[[], A
     port = int(verdict)
     timeout = timedelta(seconds=options.timeout_s)
     manager = Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=options.min_replicas,
-                      use_async_quorum=False, load_state_dict=load_state_dict, state_dict=state_dict,
+                      use_async_quorum=False, init_sync=options.init_sync, load_state_dict=load_state_dict,
+                      state_dict=state_dict,
                       replica_id=options.replica_id, store_addr=host, store_port=port, rank=group.rank,
                       world_size=group.size, lighthouse_addr=options.lighthouse, hostname=host,
                       timeout=timeout, quorum_timeout=timedelta(seconds=options.quorum_timeout_s),

@@ -27,7 +27,7 @@ def _replica(replica: int, lighthouse: str, cfg: dict[str, Any], out: Any) -> No
     from lowband.diloco.ft import TorchftMembership
 
     torch.set_num_threads(1)
-    torch.manual_seed(replica)
+    torch.manual_seed(cfg.get("seeds", [0, 1])[replica])
     width = cfg["width"][replica]
     model = nn.Sequential(nn.Linear(4, width), nn.Tanh(), nn.Linear(width, 2))
     inner = torch.optim.SGD(model.parameters(), lr=1e-2)
@@ -35,11 +35,15 @@ def _replica(replica: int, lighthouse: str, cfg: dict[str, Any], out: Any) -> No
     def state_dict() -> dict:
         return {"model": model.state_dict(), "inner": inner.state_dict()}
 
+    heals = []
+
     def load_state_dict(sd: dict) -> None:
         model.load_state_dict(sd["model"])
         inner.load_state_dict(sd["inner"])
+        heals.append(1)
 
-    manager = _manager(replica, lighthouse, state_dict, load_state_dict)
+    init_sync = cfg.get("init_sync_by_replica", [cfg.get("init_sync", True)] * 2)[replica]
+    manager = _manager(replica, lighthouse, state_dict, load_state_dict, init_sync=init_sync)
     ledger = CommLedger()
     diloco = StreamingDiLoCo(model, inner, sync_every=2, fragments=1, wire=cfg["wire"][replica],
                              ef_decay=cfg.get("ef_decay", [1.0, 1.0])[replica],
@@ -51,7 +55,7 @@ def _replica(replica: int, lighthouse: str, cfg: dict[str, Any], out: Any) -> No
             inner.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
             inner.step()
-        result = ("done", replica, diloco.committed)
+        result = ("done", replica, (diloco.committed, len(heals), [g.clone() for g in diloco.globals[0]]))
     except ValueError as e:
         result = ("refused", replica, str(e))
     checks = [(r.op, r.wire_bytes) for r in ledger.select(tag="diloco:settings")]
@@ -102,11 +106,32 @@ def test_groups_with_other_settings_are_refused_on_every_group_naming_the_settin
         assert kind == "refused", (replica, message)
         assert f"replica groups disagree on {differ} " in message and "refused at join" in message, message
         assert (this if replica == 0 else other) in message, message
-        assert checks and all(op == "all_gather" and nbytes == 8 * 12 for op, nbytes in checks)  # 12 settings
+        assert checks and all(op == "all_gather" and nbytes == 8 * 14 for op, nbytes in checks)  # 14 settings
 
 
 def test_groups_with_the_same_settings_check_once_per_quorum_and_train() -> None:
     results = _run({"wire": ["int8", "int8"], "width": [8, 8], "target": 3})
-    for replica, (kind, step, checks) in results.items():
+    for replica, (kind, (step, _heals, _globals), checks) in results.items():
         assert kind == "done" and step == 3, (replica, step)
         assert len(checks) == 1, checks  # one quorum throughout: checked at its first sync only
+
+
+def test_without_init_sync_groups_must_start_equal_and_none_heals_at_step_0() -> None:
+    """A manager built with ``init_sync=False`` (the trainer's): at step 0 no group heals, so groups with other
+    initial weights (another seed) are refused on both, naming the weights at step 0; groups seeded alike train
+    without a heal and end with equal global copies."""
+    refused = _run({"wire": ["int8", "int8"], "width": [8, 8], "target": 3, "init_sync": False, "seeds": [0, 1]})
+    for replica, (kind, message, _checks) in refused.items():
+        assert kind == "refused", (replica, message)
+        assert "replica groups disagree on the weights at step 0 (torchft init_sync off" in message, message
+    same = _run({"wire": ["int8", "int8"], "width": [8, 8], "target": 3, "init_sync": False, "seeds": [5, 5]})
+    (k0, (s0, h0, g0), _), (k1, (s1, h1, g1), _) = same[0], same[1]
+    assert k0 == k1 == "done" and s0 == s1 == 3 and h0 == h1 == 0, (same[0][:2], same[1][:2])
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1, strict=True))
+
+
+def test_groups_with_other_init_sync_are_refused_naming_it() -> None:
+    cfg = {"wire": ["int8", "int8"], "width": [8, 8], "target": 3, "init_sync": True, "seeds": [5, 5]}
+    results = _run({**cfg, "init_sync_by_replica": [True, False]})
+    for replica, (kind, message, _checks) in results.items():
+        assert kind == "refused" and "replica groups disagree on torchft init_sync " in message, (replica, message)

@@ -147,6 +147,10 @@ class FtConfig:
     """How long a quorum may wait for ft.min_replicas groups before the run stops (exit 1)."""
     connect_timeout_s: float = 30.0
     """Connecting to the Lighthouse (an unreachable one stops the launch before training, exit 2) and peers."""
+    init_sync: bool = False
+    """At step 0 copy the first group's model and inner optimizer to every other group (torchft's init_sync).
+    Off: groups seeded alike start equal and all contribute from the first sync; groups whose weights differ at
+    step 0 (another run.seed, or machines whose random initialization differs) are refused naming them."""
 
 
 SCHEDULE_KEYS = {"num_fragments": "diloco.fragments", "sync_every": "diloco.sync_every", "delay": "diloco.delay"}
@@ -370,7 +374,8 @@ class DilocoStrategy(Strategy):
         f = self.cfg.ft
         options = FtOptions(lighthouse=lighthouse_url(self.cfg), replica_id=f"lowband_group_{f.group}",
                             min_replicas=f.min_replicas, host=f.host, timeout_s=f.timeout_s,
-                            quorum_timeout_s=f.quorum_timeout_s, connect_timeout_s=f.connect_timeout_s)
+                            quorum_timeout_s=f.quorum_timeout_s, connect_timeout_s=f.connect_timeout_s,
+                            init_sync=f.init_sync)
         model, optimizer = inner.unwrapped(), inner.optimizer
         self.ft_counts = {"heals": 0, "rollbacks": 0}  # for the log line: heals from a peer, rolled-back syncs
 
