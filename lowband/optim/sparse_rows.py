@@ -198,14 +198,20 @@ def sparse_table_for(model: torch.nn.Module, param_name: str, *, name: str | Non
         vocab_size: valid token ids (``None``: the table's rows for ``"none"``).
 
     Raises:
-        ValueError: no such parameter, not 2-D, or tied to another parameter name (the tied use's
-            gradient touches rows the tokens do not name: refused by name, never silently dropped).
+        ValueError: no such parameter, not 2-D, tied to another parameter name (the tied use's
+            gradient touches rows the tokens do not name: refused by name, never silently dropped), or an
+            ``nn.Embedding`` with ``max_norm`` (its in-place renorm differs per rank).
     """
     where = "sparse_table_for"
     params = dict(model.named_parameters(remove_duplicate=False))
     if param_name not in params:
         raise ValueError(f"{where}: the model has no parameter {param_name!r}")
     _tied_refusal(model, param_name, where)
+    for mod_name, m in model.named_modules():
+        if isinstance(m, torch.nn.Embedding) and m.weight is params[param_name] and m.max_norm is not None:
+            raise ValueError(f"{where}: embedding {mod_name!r} has max_norm={m.max_norm}: its forward renormalizes "
+                             "rows in place on each rank, which a sharded table cannot keep (the owner's gather "
+                             "overwrites another rank's renorm); renormalize without in-place writes")
     table = SparseTable(name or param_name, params[param_name], hash=hash, vocab_size=vocab_size)
     table.validate(where)
     return table

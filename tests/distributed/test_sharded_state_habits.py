@@ -224,3 +224,29 @@ def test_a_sparse_gradient_is_refused_by_name() -> None:
     assert out[0] == out[1]
     assert out[0].startswith("ShardedAdamW: parameter param_groups[0]['params'][0] got a sparse gradient "
                              "(torch.sparse_coo;"), out[0]
+
+
+def _max_norm_table() -> list[str]:
+    model = nn.Sequential(nn.Embedding(8, 4, max_norm=0.5), nn.Linear(4, 2))
+    errors = []
+    try:
+        ShardedAdamW(model.parameters(), lr=1e-2, comm=Comm(), module=model)
+    except ValueError as e:
+        errors.append(str(e))
+    from lowband.optim.sparse_rows import sparse_table_for
+
+    try:
+        sparse_table_for(model, "0.weight")
+    except ValueError as e:
+        errors.append(str(e))
+    return errors
+
+
+def test_an_embedding_with_max_norm_is_refused_by_name() -> None:
+    """nn.Embedding(max_norm=...) renormalizes the looked-up rows in place on each rank; the owner's all-gather
+    overwrote the rows another rank renormed (the ranks agreed on a table no single-process run computes, 0.87
+    from torch at lr 0). Refused at construction, and by sparse_table_for, on every rank alike."""
+    out = run_ranks(_max_norm_table, 2, timeout=TIMEOUT)
+    assert out[0] == out[1] and len(out[0]) == 2, out
+    assert out[0][0].startswith("ShardedOptimizer: embedding '0' has max_norm=0.5: its forward renormalizes"), out
+    assert out[0][1].startswith("sparse_table_for: embedding '0' has max_norm=0.5"), out
