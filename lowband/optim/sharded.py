@@ -484,8 +484,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         named = self._named_state(module, all_params, self.param_groups)[:len(all_params)]
         self._names = [name for name, _p in named]  # by flat parameter index, for error messages
         self._excluded = [(name, p) for name, p in named if id(p) not in in_units]
-        # one level per unit member, one flag per parameter left out, 3 bytes (GradScaler factor, inf)
-        self.used_flags_numel = sum(len(u.params) for u in self._units) + len(self._excluded) + 3
+        # one level per unit member, one flag per parameter left out, 4 bytes (GradScaler factor, inf, late copy)
+        self.used_flags_numel = sum(len(u.params) for u in self._units) + len(self._excluded) + 4
         self._reset_used()
         self._sync_initial(module, all_params)
         for ui, unit in enumerate(self._units):
@@ -846,15 +846,44 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _launch_remaining(self) -> None:
+        """Copy the gradients no backward hook copied (a parameter whose gradient came only from microbatches
+        under ``no_sync``, or unused) and launch their units. Such a late copy is taken at ``step()`` /
+        ``clip_grad_norm``, possibly after ``scaler.unscale_(opt)`` divided every ``p.grad`` by the loss scale:
+        when the copies made in backward show that factor (:meth:`_early_exp`), the late copy is multiplied
+        back into their frame, so every slot holds scaled values and one factor unscales the reduced shards.
+        A late copy on a rank with no such evidence is flagged (:meth:`_sync_checks` refuses it if another
+        rank saw an unscale)."""
+        exp: int | bool | None = False  # False: not looked for yet
         for ui in range(self._next_launch, len(self._units)):
             unit = self._units[ui]
             for mi, p in enumerate(unit.params):
                 if not unit.copied[mi]:
                     if p.grad is not None:
+                        if exp is False:
+                            exp = self._early_exp()
                         unit.copy_grad(mi, p)
+                        if exp is None:
+                            self._late_unknown = True
+                        elif exp:
+                            unit.grad_slot(mi).mul_(2.0 ** -exp)
                     else:
                         unit.grad_slot(mi).zero_()
             self._launch(ui)
+
+    def _early_exp(self) -> int | None:
+        """The power-of-two factor ``2**e`` by which ``p.grad`` differs from its copy made in backward (GradScaler's
+        unscale), from the first copied member that shows one; ``None`` if none does (no unscale yet, or no
+        evidence on this rank)."""
+        for unit in self._units:
+            for mi, p in enumerate(unit.params):
+                g, ref = p.grad, unit.grad_ref[mi]
+                if not unit.copied[mi] or ref is None or g is not ref or g._version != unit.grad_ver[mi] \
+                        or unit.bad[mi]:
+                    continue
+                e = self._probe_scale(unit.grad_slot(mi), g)
+                if e is not None and e is not False:
+                    return int(e)
+        return None
 
     # ------------------------------------------------------------- per-step checks (the flags)
     def _reset_used(self) -> None:
@@ -862,6 +891,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._used_global: list[list[bool]] | None = None
         self._grad_exp: int | None = None  # the reduced shards were multiplied by 2**_grad_exp (GradScaler)
         self._found_inf = False  # some rank's reduced shard holds inf/NaN (this step; global)
+        self._late_unknown = False  # a gradient copied at step() with no evidence of an unscale on this rank
 
     def _flag_device(self) -> torch.device:
         if self._units:
@@ -974,12 +1004,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         every rank) a ``uint8`` vector: per unit member its level (0 no gradient, 1 used, 2 ``p.grad``
         changed after lowband copied it, 3 storage left the flat buffer with another dtype/shape, 4 read by a
         forward mid-gather),
-        one "unfrozen since construction" flag per parameter left out of the units, then three bytes:
+        one "unfrozen since construction" flag per parameter left out of the units, then four bytes:
         the power-of-two factor GradScaler's ``unscale_`` applied to every ``p.grad`` (its exponent + 128
-        and 127 - exponent, so MAX gives both the largest and the smallest over ranks; 0 = none), and
-        "a reduced shard holds inf/NaN". Raises ``ValueError`` on every rank alike (naming the first
-        parameter in unit order) for levels 2, 3 and 4, an unfrozen parameter, or ranks that scaled by
-        different factors; multiplies the reduced shards by the agreed factor. On one rank the local
+        and 127 - exponent, so MAX gives both the largest and the smallest over ranks; 0 = none),
+        "a reduced shard holds inf/NaN", and "a gradient copied at step() with no evidence of the factor"
+        (:meth:`_launch_remaining`). Raises ``ValueError`` on every rank alike (naming the first
+        parameter in unit order) for levels 2, 3 and 4, an unfrozen parameter, ranks that scaled by
+        different factors, or a factor some rank could not apply to its late copies; multiplies the reduced
+        shards by the agreed factor. On one rank the local
         flags are the global ones: nothing is sent.
 
         ``norm=True`` (from :meth:`clip_grad_norm`): the owned shards' sum of squares is all-reduced
@@ -993,7 +1025,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for unit in self._units:
             self._reduce(unit)
         nonfinite = any(not all_finite(u.grad_shard) for u in self._units)
-        tail = [0, 0, int(nonfinite)]
+        tail = [0, 0, int(nonfinite), int(self._late_unknown)]
         if exp is not None:
             if -127 <= exp <= 126:
                 tail[0], tail[1] = exp + 128, 127 - exp
@@ -1022,12 +1054,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if v >= _LEVEL_GRAD_CHANGED and (problem is None or v > problem[0]):
                     problem = (v, ui, mi)
         unfrozen = [bool(v) for v in flat[off:off + len(self._excluded)]]
-        hi_code, lo_code, found = flat[-3:]
+        hi_code, lo_code, found, late_unknown = flat[-4:]
         if problem is not None:
             self._refuse_member(*problem)
         self._check_excluded(unfrozen)
         if hi_code:
             emax, emin = hi_code - 128, 127 - lo_code
+            if late_unknown:
+                self._reset_step()
+                raise ValueError(
+                    f"{type(self).__name__}: scaler.unscale_(opt) ran before lowband copied some gradients (parameters "
+                    "whose gradient came only from microbatches under no_sync), and a rank had no gradient copied in "
+                    "backward to tell the loss scale by; call scaler.step(opt) without scaler.unscale_(opt) (it "
+                    "unscales the reduced shards itself), and clip with opt.clip_grad_norm before unscaling")
             if emax != emin:
                 self._reset_step()
                 raise ValueError(

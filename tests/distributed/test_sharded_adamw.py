@@ -225,9 +225,9 @@ def esize(name: str) -> int:
 
 
 # flags of the per-step all-reduce: one level per trainable parameter (13), one flag per parameter
-# left out of the units (the frozen layer's weight and bias), and 3 trailing bytes (GradScaler factor
-# as max and min codes, "a reduced shard is not finite"), uint8
-N_USED_FLAGS = 13 + 2 + 3
+# left out of the units (the frozen layer's weight and bias), and 4 trailing bytes (GradScaler factor
+# as max and min codes, "a reduced shard is not finite", "a late gradient copy with no factor seen"), uint8
+N_USED_FLAGS = 13 + 2 + 4
 
 
 def check_ledger(results: list[dict], dtype: str, wire: str | None, clip: bool,

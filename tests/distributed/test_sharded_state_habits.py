@@ -250,3 +250,74 @@ def test_an_embedding_with_max_norm_is_refused_by_name() -> None:
     assert out[0] == out[1] and len(out[0]) == 2, out
     assert out[0][0].startswith("ShardedOptimizer: embedding '0' has max_norm=0.5: its forward renormalizes"), out
     assert out[0][1].startswith("sparse_table_for: embedding '0' has max_norm=0.5"), out
+
+
+class _TwoTables(nn.Module):
+    """Two tables and a head; ``emb2`` is used only when ``use2`` is set (a conditional branch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.emb, self.emb2, self.head = nn.Embedding(20, 4), nn.Embedding(20, 4), nn.Linear(4, 20, bias=False)
+        self.double()
+        self.use2 = True
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x) + (self.emb2(x) if self.use2 else 0.0)
+        return F.cross_entropy(self.head(torch.tanh(h)).reshape(-1, 20), y.reshape(-1))
+
+
+_ACC, _HP = 3, dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def _micro(step: int, rank: int, m: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    g = torch.Generator().manual_seed(100 * step + 10 * rank + m)
+    # emb2 only in microbatch 1 (under no_sync) on rank 0, only in the last one on rank 1
+    return torch.randint(0, 20, (2, 5), generator=g), torch.randint(0, 20, (2, 5), generator=g), \
+        (m == 1 and rank == 0) or (m == _ACC - 1 and rank == 1)
+
+
+def _scaled_accumulation() -> tuple[dict[str, torch.Tensor], list[float]]:
+    rank = dist.get_rank()
+    model = _TwoTables()
+    opt = ShardedAdamW(model.parameters(), comm=Comm(), bucket_mb=1e-4, module=model, **_HP)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    norms = []
+    for s in range(3):
+        for m in range(_ACC):
+            x, y, model.use2 = _micro(s, rank, m)
+            loss = scaler.scale(model(x, y) / _ACC)
+            if m < _ACC - 1:
+                with opt.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        scaler.unscale_(opt)
+        norms.append(float(opt.clip_grad_norm(0.05)))
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.named_parameters()}, norms
+
+
+def test_gradscaler_with_a_gradient_only_from_no_sync_microbatches_equals_torch() -> None:
+    """scale -> backward x3 (the first two under no_sync) -> unscale_ -> clip -> step: a parameter whose gradient
+    came only from a no_sync microbatch is copied at step time, after unscale_ divided it by the loss scale; the
+    copy is put back into the scaled frame of the copies made in backward (it was refused as 'p.grad changed
+    after lowband reduced it'). Equals single-process torch (fp64: rounding only)."""
+    out = run_ranks(_scaled_accumulation, 2, timeout=TIMEOUT)
+    model = _TwoTables()
+    opt = torch.optim.AdamW(model.parameters(), foreach=False, **_HP)
+    norms = []
+    for s in range(3):
+        for m in range(_ACC):
+            for r in range(2):
+                x, y, model.use2 = _micro(s, r, m)
+                (model(x, y) / (_ACC * 2)).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        opt.step()
+        opt.zero_grad()
+    for params, got_norms in out:
+        for k, v in model.named_parameters():
+            torch.testing.assert_close(params[k], v.detach(), rtol=0, atol=1e-12, msg=k)
+        assert got_norms == pytest.approx(norms, rel=1e-12)

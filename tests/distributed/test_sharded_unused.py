@@ -124,9 +124,9 @@ def make_reference(model: SideModel, algo: str) -> list[torch.optim.Optimizer]:
 
 def n_used_flags(model: SideModel) -> int:
     """One flag per trainable optimizer parameter, one per frozen one (checked for unfreezing), and the
-    three trailing bytes (the GradScaler factor as a max and a min code, and "a reduced shard is not
-    finite")."""
-    return sum(1 for _ in model.parameters()) + 3
+    four trailing bytes (the GradScaler factor as a max and a min code, "a reduced shard is not finite", and
+    "a late gradient copy with no factor seen")."""
+    return sum(1 for _ in model.parameters()) + 4
 
 
 def _flat(model: nn.Module) -> torch.Tensor:
@@ -314,7 +314,7 @@ def test_unused_parameters_follow_torch(world: int, algo: str, clip: float | Non
             assert abs(a - b) <= 1e-12 * b
         # one uint8 MAX all-reduce of the flags per step: 2(N-1)/N bytes per flag
         f = r["n_flags"]
-        assert f == 17  # 12 trainable parameters (the table included) + the frozen weight and bias + 3
+        assert f == 18  # 12 trainable parameters (the table included) + the frozen weight and bias + 4
         assert r["used_records"] == [[("all_reduce", f, "uint8", 2 * (world - 1) * f // world)]] * STEPS
 
 
