@@ -297,6 +297,8 @@ class StreamingDiLoCo:
         """Maps a parameter's local tensors to their logical checkpoint form and back (``to_logical(name, t)``,
         ``to_local(name, t)``, ``weights``: the sharded names), when parameters are shards (GTP inside a
         replica: :class:`lowband.diloco.state.GTPShardLayout`); ``None`` = parameters are whole."""
+        self._frag_ids = {id(p) for f in self.frags for p in f.params}
+        self.check_trainable()
         self.membership.attach(self)
         self._hooks = [inner_optimizer.register_step_post_hook(self._post_step)]
         if hasattr(self.membership, "before_step"):
@@ -364,7 +366,27 @@ class StreamingDiLoCo:
                 finally:
                     self.local_step = 0
 
+    def check_trainable(self) -> None:
+        """Raise ``ValueError`` naming a parameter the inner optimizer trains that is in no fragment: one unfrozen
+        (``requires_grad_(True)``) after DiLoCo was built, an adapter added since (``add_param_group``), or a
+        trainable parameter of the inner optimizer outside the model. Nothing would ever sync it: every replica
+        would train its own copy for the rest of the run. Runs at construction and at every fragment's prepare
+        (local; the same script changes every replica alike, so every replica raises at the same prepare).
+        Rebuild DiLoCo after changing which parameters train."""
+        named = {id(p): n for n, p in self.model.named_parameters()}
+        stray = [named[id(p)] for p in self.model.parameters() if p.requires_grad and id(p) not in self._frag_ids]
+        stray += [named.get(id(p), f"inner_optimizer.param_groups[{gi}]['params'][{pi}]")
+                  for gi, g in enumerate(self.inner_optimizer.param_groups) for pi, p in enumerate(g["params"])
+                  if p.requires_grad and id(p) not in self._frag_ids and id(p) not in named]
+        if stray:
+            raise ValueError(
+                f"diloco: {stray[:5]} {'is' if len(stray) == 1 else 'are'} trained but in no fragment (unfrozen or "
+                "added after StreamingDiLoCo was built, or outside the model): nothing would sync "
+                f"{'it' if len(stray) == 1 else 'them'}, so the replicas would drift apart. Build StreamingDiLoCo "
+                "after choosing which parameters train (close() the old one first)")
+
     def _prepare(self) -> None:
+        self.check_trainable()
         self.membership.start_quorum(self)  # may heal this replica and move self.committed
         i = fragment_for(self.committed, self.num_fragments)
         frag = self.frags[i]

@@ -255,6 +255,15 @@ class GTPMuon(torch.optim.Optimizer):
         self.buckets = plan_gtp_muon(specs, comm.size, max(1, int(bucket_mb * 2**20)))
         self._stacks: list[list[_Stack]] = []
         self._init_state()
+        self._constructed = True
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Groups are fixed at construction (the Muon buckets and every state tensor are built there): a group
+        added later is refused, naming the way out, instead of failing at the next ``step()``."""
+        if getattr(self, "_constructed", False):
+            raise ValueError("GTPMuon: param groups cannot be added after construction (its Muon buckets and state "
+                             "are built there); build a new GTPMuon with every group, e.g. after adding adapters")
+        super().add_param_group(param_group)
 
     def _check_muon_param(self, p: torch.Tensor, where: str) -> None:
         pl = placement_of(p)

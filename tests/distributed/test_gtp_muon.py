@@ -602,3 +602,30 @@ def _torch_state_round_trip(_: int) -> dict:
 @pytest.mark.parametrize("world", [2, 4])
 def test_torch_state_dict_round_trip_keeps_the_muon_momenta(world: int) -> None:
     assert run_ranks(_torch_state_round_trip, world, 0) == [{"equal": True}] * world
+
+
+def _add_group_worker() -> list[str]:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double()
+    rt = GTPRuntime(build_mesh(gtp=dist.get_world_size()).gtp)
+    shard_linears(model, rt)
+    opt = GTPMuon([{"params": [model[0].weight], "algorithm": "muon"},
+                   {"params": [model[0].bias, model[2].bias], "algorithm": "adamw"}], rt.comm, lr=1e-2,
+                  ns_dtype=torch.float64)
+    errors = []
+    for group in ({"params": [model[2].weight], "algorithm": "muon"},
+                  {"params": [nn.Parameter(torch.zeros(3, dtype=torch.float64))], "algorithm": "adamw"}):
+        try:
+            opt.add_param_group(group)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_add_param_group_after_construction_is_refused() -> None:
+    """GTPMuon builds its Muon buckets and every state tensor at construction: a group added later (adapters) was
+    accepted by torch's add_param_group and the next step() failed with a bare KeyError. Refused by name now."""
+    out = run_ranks(_add_group_worker, 2, timeout=60)
+    assert out[0] == out[1] and len(out[0]) == 2, out
+    assert all(e.startswith("GTPMuon: param groups cannot be added after construction") for e in out[0]), out

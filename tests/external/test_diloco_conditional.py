@@ -321,3 +321,48 @@ def test_verify_covers_frozen_parameters_and_buffers() -> None:
     assert all("init_sync='verify': buffer 'mix' differs between replicas (replica 0 vs [1])" in m
                for m in buffer), buffer
     assert run_ranks(_verify_worker, 2, "same", timeout=60) == ["ok", "ok"]
+
+
+def _late_trainable_worker(variant: str) -> str:
+    """2 replicas: a parameter starts training after StreamingDiLoCo was built; returns the refusal."""
+    from torch import nn
+
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    torch.manual_seed(rank)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    model[0].weight.requires_grad_(False)  # frozen at build time: in no fragment
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    diloco = StreamingDiLoCo(model, inner, comm=Comm(name="replica"), sync_every=2, fragments=1)
+    g = torch.Generator().manual_seed(rank)
+    try:
+        for step in range(6):
+            if step == 1:
+                if variant == "unfreeze":
+                    model[0].weight.requires_grad_(True)
+                else:  # an adapter injected after DiLoCo was built
+                    model.add_module("extra", nn.Linear(2, 2).double())
+                    inner.add_param_group({"params": list(model.extra.parameters())})
+            x = torch.randn(3, 4, generator=g, dtype=torch.float64)
+            inner.zero_grad()
+            out = model[2](model[1](model[0](x)))
+            if variant == "adapter" and step >= 1:
+                out = out + model.extra(out)
+            out.square().sum().backward()
+            inner.step()
+    except ValueError as e:
+        return f"step {step}: {e}"
+    finally:
+        diloco.close()
+    return "no error"
+
+
+@pytest.mark.parametrize(("variant", "names"), [("unfreeze", "['0.weight'] is trained"),
+                                                ("adapter", "['extra.weight', 'extra.bias'] are trained")])
+def test_a_parameter_trained_after_diloco_was_built_is_refused_by_name(variant: str, names: str) -> None:
+    """Unfreezing a parameter, or adding an adapter, after StreamingDiLoCo was built: nothing synced it, each
+    replica trained its own copy for the rest of the run (0.09-0.5 apart after 4 syncs). Refused at the next
+    fragment's prepare (step 2 here), on every replica, naming it."""
+    out = run_ranks(_late_trainable_worker, 2, variant, timeout=60)
+    assert out[0] == out[1], out
+    assert out[0].startswith(f"step 1: diloco: {names} but in no fragment"), out[0]
