@@ -1578,8 +1578,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if self.comm.size > 1 and "time" in str(e).lower() and "out" in str(e).lower():
                 raise RuntimeError(
                     f"{type(self).__name__}.{what}: its collective did not complete within state_timeout="
-                    f"{self.state_timeout:g} s: {what}() is collective, call it on every rank (e.g. every rank "
-                    "calls opt.state_dict() and rank 0 saves it)") from None
+                    f"{self.state_timeout:g} s: {what}() is collective, call it on every rank (e.g. every rank calls "
+                    "opt.full_state_dict(), rank 0 torch.save-s it and every rank passes it to "
+                    "load_full_state_dict(); or torch.distributed.checkpoint's get_state_dict + dcp.save)") from None
             raise
 
     def _check_saved_by(self, state: dict) -> None:

@@ -649,7 +649,7 @@ def default_checkpoint_dir(cfg: Config) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.run.out_dir) / cfg.run.name / "checkpoint"
 
 
-RESUME_HPARAMS = ("weight_decay", "betas", "eps", "momentum", "nesterov")
+RESUME_HPARAMS = ("weight_decay", "betas", "eps", "momentum", "nesterov", "ns_method", "ns_steps", "ns_dtype")
 """Param-group settings a resumed run takes from its config rather than from the checkpoint's optimizer state
 (which ``load_state_dict`` restores, as torch does), beside the peak lr (the LR scheduler's ``base_lrs``)."""
 

@@ -183,3 +183,17 @@ def test_diloco_other_fragment_schedule_is_refused_by_name(shard: str, tmp_path:
     assert out[0] == out[1]
     assert ("does not match this run: diloco.sync_every: checkpoint 4, this run 2; diloco.fragments: checkpoint 2, "
             "this run 1; diloco.delay: checkpoint 1, this run 0") in out[0], out[0]
+
+
+def test_diloco_error_feedback_change_is_refused_by_name(shard: str, tmp_path: Path) -> None:
+    """Residuals exist only with error feedback in effect (auto: on for int4/int2/topk*): resuming an int4
+    checkpoint under fp32 dropped the residuals' unsent mass silently, the other way failed with DCP's 'Missing
+    key'. Refused before loading, naming the setting."""
+    cfg = diloco_config(shard, 2, steps=2, ckpt_dir=str(tmp_path), every=2)
+    cfg.diloco.wire = "int4"
+    run_ranks(_run, 2, cfg)
+    cfg.run.steps, cfg.diloco.wire = 4, "fp32"
+    out = run_ranks(_refused, 2, cfg)
+    assert out[0] == out[1]
+    assert ("does not match this run: diloco.error_feedback (in effect, auto follows diloco.wire): checkpoint 'on', "
+            "this run 'off'") in out[0], out[0]

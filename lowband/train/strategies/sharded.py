@@ -232,6 +232,11 @@ class _ShardedBase(Strategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._ckpt_layout().load_state_dict(state)
 
+    def resume_settings(self) -> dict[str, Any]:
+        """``sharded.param_wire_dtype``: it decides whether the checkpoint holds fp32 masters (a narrower gather
+        keeps them); under another value a resume would drop them silently, or miss them."""
+        return {"sharded.param_wire_dtype": self.cfg.sharded.param_wire_dtype}
+
 
 @register_strategy("sharded-adamw")
 class ShardedAdamWStrategy(_ShardedBase):
