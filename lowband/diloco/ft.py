@@ -105,16 +105,6 @@ STEP0_WEIGHTS = ("the weights at step 0 (torchft init_sync off: give every group
 """The settings-check entry of the global copies' digest while a quorum is at step 0, without ``init_sync``."""
 
 
-def weights_digest(tensors: Any) -> str:
-    """A hex digest (16 characters) of the bits of ``tensors``, in order."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
 class FtSettingsError(ValueError):
     """Replica groups with settings that must agree (wire, fragments, model, ...) met in one quorum."""
 
@@ -324,6 +314,8 @@ class TorchftMembership:
         q = getattr(getattr(self.manager, "_client", None), "last", None)
         step0 = "-"
         if not init_sync and q is not None and int(q.max_step) == 0:
+            from lowband.diloco.streaming import weights_digest
+
             step0 = weights_digest(t for gs in diloco.globals for t in gs)
         return {"torchft init_sync": init_sync, STEP0_WEIGHTS: step0}
 

@@ -100,11 +100,18 @@ def _bucket_bounds(numel: int, cap_elems: int | None, breaks: Sequence[int] = ()
     return out
 
 
-def _checksum(t: torch.Tensor) -> str:
+def weights_digest(tensors: Iterable[torch.Tensor]) -> str:
+    """A hex digest (16 characters) of the bits of ``tensors``, in order."""
     import hashlib
 
-    raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()[:16]
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _checksum(t: torch.Tensor) -> str:
+    return weights_digest([t])
 
 
 def init_state(model: nn.Module) -> list[tuple[str, str, torch.Tensor]]:

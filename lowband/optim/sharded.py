@@ -136,6 +136,7 @@ from lowband.optim.sparse_rows import (
     SparseTableUnit,
     check_untied,
     plan_row_units,
+    refuse_renormed_embeddings,
     validate_sparse_tables,
 )
 
@@ -160,20 +161,6 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _refuse_renormed_embeddings(module: nn.Module, params: set[int], where: str) -> None:
-    """Refuse an ``nn.Embedding(max_norm=...)`` whose weight is sharded: its forward renormalizes the rows this
-    rank's batch looks up, in place, and the owner's all-gather then overwrites the rows another rank renormed
-    (single-process torch renormalizes every row of the global batch): the ranks would agree on a table no
-    single-process run computes."""
-    for name, m in module.named_modules():
-        if isinstance(m, nn.Embedding) and m.max_norm is not None and id(m.weight) in params:
-            raise ValueError(
-                f"{where}: embedding {name or type(m).__name__!r} has max_norm={m.max_norm}: its forward renormalizes "
-                "the looked-up rows in place on each rank, and the sharded update would keep only the owner's "
-                "renorm. Renormalize in the model instead (e.g. F.embedding(idx, w) / clamp of the row norms, "
-                "without in-place writes), or keep this table out of the sharded optimizer")
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -398,7 +385,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             check_untied(module, sparse_tables, "ShardedOptimizer")
         groups = self._normalize_groups(params)
         if module is not None:
-            _refuse_renormed_embeddings(module, {id(q) for g in groups for q in g["params"]}, "ShardedOptimizer")
+            refuse_renormed_embeddings(module, {id(q) for g in groups for q in g["params"]}, "ShardedOptimizer")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, algorithm=algorithm,
                         momentum=momentum, nesterov=nesterov, ns_method=ns_method, ns_steps=ns_steps,
                         ns_dtype=ns_dtype)

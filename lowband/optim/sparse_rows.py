@@ -185,6 +185,20 @@ def _tied_refusal(model: torch.nn.Module, param_name: str, where: str) -> None:
             "or untie the weights")
 
 
+def refuse_renormed_embeddings(module: torch.nn.Module, params: set[int], where: str) -> None:
+    """Refuse an ``nn.Embedding(max_norm=...)`` whose weight is sharded: its forward renormalizes the rows this
+    rank's batch looks up, in place, and the owner's all-gather then overwrites the rows another rank renormed
+    (single-process torch renormalizes every row of the global batch): the ranks would agree on a table no
+    single-process run computes."""
+    for name, m in module.named_modules():
+        if isinstance(m, torch.nn.Embedding) and m.max_norm is not None and id(m.weight) in params:
+            raise ValueError(
+                f"{where}: embedding {name or type(m).__name__!r} has max_norm={m.max_norm}: its forward renormalizes "
+                "the looked-up rows in place on each rank, and the sharded update would keep only the owner's "
+                "renorm. Renormalize in the model instead (e.g. F.embedding(idx, w) / clamp of the row norms, "
+                "without in-place writes), or keep this table out of the sharded optimizer")
+
+
 def sparse_table_for(model: torch.nn.Module, param_name: str, *, name: str | None = None, hash: str = "none",
                      vocab_size: int | None = None) -> SparseTable:
     """A :class:`SparseTable` for any embedding parameter of ``model``, by its parameter path.
@@ -207,11 +221,7 @@ def sparse_table_for(model: torch.nn.Module, param_name: str, *, name: str | Non
     if param_name not in params:
         raise ValueError(f"{where}: the model has no parameter {param_name!r}")
     _tied_refusal(model, param_name, where)
-    for mod_name, m in model.named_modules():
-        if isinstance(m, torch.nn.Embedding) and m.weight is params[param_name] and m.max_norm is not None:
-            raise ValueError(f"{where}: embedding {mod_name!r} has max_norm={m.max_norm}: its forward renormalizes "
-                             "rows in place on each rank, which a sharded table cannot keep (the owner's gather "
-                             "overwrites another rank's renorm); renormalize without in-place writes")
+    refuse_renormed_embeddings(model, {id(params[param_name])}, where)
     table = SparseTable(name or param_name, params[param_name], hash=hash, vocab_size=vocab_size)
     table.validate(where)
     return table

@@ -25,6 +25,7 @@ from lowband.train.checkpoint import (
 )
 from lowband.train.config import Config
 from lowband.train.trainer import train
+from tests.distributed.trainer_util import resume_error
 
 
 def tiny_config(shard: str, world: int, strategy: str, batch: int, *, dtype: str = "float64", steps: int = 6,
@@ -221,14 +222,6 @@ def test_keep_last_and_resume_none(shard: str, tmp_path: Path) -> None:
     assert json.loads((tmp_path / "step-5" / MARKER).read_text())["lineage"] != meta["lineage"]
 
 
-def _resume_error(cfg: Config) -> str:
-    try:
-        train(cfg, write_run_dir=False, log=False)
-    except CheckpointError as e:
-        return str(e)
-    return "no error"
-
-
 def _error_cases(shard: str, root: str) -> dict[str, str]:
     root_p = Path(root)
     good = root_p / "good"
@@ -246,7 +239,7 @@ def _error_cases(shard: str, root: str) -> dict[str, str]:
         for k, v in changes.items():
             setattr(cfg.model, k, v)
         cfg.checkpoint.resume = str(path)
-        return _resume_error(cfg)
+        return resume_error(cfg)
 
     out = {}
     p = variant("truncated")
@@ -318,7 +311,7 @@ def test_corrupt_and_mismatched_checkpoints_give_clear_errors(shard: str, tmp_pa
 
 def _corrupt_at_world(cfg: Config, path: str) -> str:
     cfg.checkpoint.resume = path
-    return _resume_error(cfg)
+    return resume_error(cfg)
 
 
 def test_corrupt_checkpoint_fails_identically_on_every_rank(shard: str, tmp_path: Path) -> None:

@@ -16,10 +16,10 @@ import torch
 
 from lowband.optim.tp_state import full_state
 from lowband.testing import run_ranks
-from lowband.train.checkpoint import CheckpointError, list_checkpoints
+from lowband.train.checkpoint import list_checkpoints
 from lowband.train.config import Config
 from lowband.train.trainer import train
-from tests.distributed.trainer_util import nan_loss_at
+from tests.distributed.trainer_util import nan_loss_at, resume_error
 
 GLOBAL_BATCH = 4
 
@@ -85,14 +85,6 @@ def _run(cfg: Config, stop_after: int | None = None) -> dict:
 def _run_nan(cfg: Config, nan_step: int, nan_rank: int) -> dict:
     with nan_loss_at(nan_step, nan_rank):
         return _run(cfg)
-
-
-def _refused(cfg: Config) -> str:
-    try:
-        train(cfg, write_run_dir=False, log=False)
-    except CheckpointError as e:
-        return str(e)
-    return "no error"
 
 
 def _equal(a, b) -> bool:
@@ -166,7 +158,7 @@ def test_diloco_resumes_with_another_ddp_size_per_replica(shard: str, tmp_path: 
 
 def test_diloco_other_replica_count_is_refused(shard: str, tmp_path: Path) -> None:
     run_ranks(_run, 2, diloco_config(shard, 2, steps=2, ckpt_dir=str(tmp_path), every=2))
-    out = run_ranks(_refused, 4, diloco_config(shard, 4, steps=4, ckpt_dir=str(tmp_path), every=2))
+    out = run_ranks(resume_error, 4, diloco_config(shard, 4, steps=4, ckpt_dir=str(tmp_path), every=2))
     assert out[0] == out[1]
     assert ("strategy: checkpoint 'diloco' (state format 'diloco-r2-v1'), this run 'diloco' (state format "
             "'diloco-r4-v1')") in out[0]
@@ -179,7 +171,7 @@ def test_diloco_other_fragment_schedule_is_refused_by_name(shard: str, tmp_path:
     run_ranks(_run, 2, diloco_config(shard, 2, steps=2, ckpt_dir=str(tmp_path), every=2))
     cfg = diloco_config(shard, 2, steps=4, ckpt_dir=str(tmp_path), every=2)
     cfg.diloco.sync_every, cfg.diloco.fragments, cfg.diloco.delay = 2, 1, 0
-    out = run_ranks(_refused, 2, cfg)
+    out = run_ranks(resume_error, 2, cfg)
     assert out[0] == out[1]
     assert ("does not match this run: diloco.sync_every: checkpoint 4, this run 2; diloco.fragments: checkpoint 2, "
             "this run 1; diloco.delay: checkpoint 1, this run 0") in out[0], out[0]
@@ -193,7 +185,7 @@ def test_diloco_error_feedback_change_is_refused_by_name(shard: str, tmp_path: P
     cfg.diloco.wire = "int4"
     run_ranks(_run, 2, cfg)
     cfg.run.steps, cfg.diloco.wire = 4, "fp32"
-    out = run_ranks(_refused, 2, cfg)
+    out = run_ranks(resume_error, 2, cfg)
     assert out[0] == out[1]
     assert ("does not match this run: diloco.error_feedback (in effect, auto follows diloco.wire): checkpoint 'on', "
             "this run 'off'") in out[0], out[0]

@@ -20,7 +20,7 @@ from lowband.testing import run_ranks
 from lowband.train.checkpoint import list_checkpoints
 from lowband.train.config import Config
 from lowband.train.trainer import train
-from tests.distributed.trainer_util import nan_loss_at
+from tests.distributed.trainer_util import nan_loss_at, resume_error
 
 GLOBAL_BATCH = 4
 
@@ -324,16 +324,6 @@ def test_sharded_layout_loads_the_gathered_shard0_format(tmp_path: Path, algo: s
             _assert_same_full(r["full"], ref)
 
 
-def _refused(cfg: Config) -> str:
-    from lowband.train.checkpoint import CheckpointError
-
-    try:
-        train(cfg, write_run_dir=False, log=False)
-    except CheckpointError as e:
-        return str(e)
-    return "no error"
-
-
 def test_another_param_wire_dtype_is_refused_by_name(shard: str, tmp_path: Path) -> None:
     """sharded.param_wire_dtype decides whether the checkpoint holds fp32 masters: resuming a bf16-gather
     checkpoint with an fp32 gather dropped them silently (training went on from the bf16-rounded parameters,
@@ -342,7 +332,7 @@ def test_another_param_wire_dtype_is_refused_by_name(shard: str, tmp_path: Path)
     cfg.run.dtype, cfg.sharded.param_wire_dtype = "float32", "bfloat16"
     run_ranks(_run, 2, cfg)
     cfg.run.steps, cfg.sharded.param_wire_dtype = 4, "float32"
-    out = run_ranks(_refused, 2, cfg)
+    out = run_ranks(resume_error, 2, cfg)
     assert out[0] == out[1]
     assert "does not match this run: sharded.param_wire_dtype: checkpoint 'bfloat16', this run 'float32'" in out[0], \
         out[0]

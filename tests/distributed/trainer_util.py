@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import torch.distributed as dist
 
 import lowband.train.trainer as trainer_mod
+from lowband.train.checkpoint import CheckpointError
 
 
 @contextlib.contextmanager
@@ -33,3 +34,13 @@ def nan_loss_at(nan_step: int, nan_rank: int) -> Iterator[None]:
         yield
     finally:
         trainer_mod.build_model = original
+
+
+def resume_error(cfg) -> str:  # type: ignore[no-untyped-def]
+    """Run the trainer (no run directory, no log) and return the :class:`CheckpointError` it raises at resume,
+    or ``"no error"``: for tests of refused resumes, run on every rank with ``run_ranks``."""
+    try:
+        trainer_mod.train(cfg, write_run_dir=False, log=False)
+    except CheckpointError as e:
+        return str(e)
+    return "no error"
