@@ -218,11 +218,11 @@ def test_gtp_inner_checkpoint_loads_at_another_gtp_size(shard: str, tmp_path: Pa
 
 def test_format_names_the_inner_strategy(shard: str, tmp_path: Path) -> None:
     """A sharded-muon checkpoint does not load into a gtp inner: refused naming both formats."""
-    from tests.distributed.test_checkpoint_diloco import _refused
+    from tests.distributed.trainer_util import resume_error
 
     run_ranks(_ckpt_run, 4, _ckpt_config(shard, "sharded-muon", steps=2, ckpt_dir=str(tmp_path), every=2),
               timeout=TIMEOUT)
-    out = run_ranks(_refused, 4, _ckpt_config(shard, "gtp", gtp=2, steps=4, ckpt_dir=str(tmp_path), every=2),
+    out = run_ranks(resume_error, 4, _ckpt_config(shard, "gtp", gtp=2, steps=4, ckpt_dir=str(tmp_path), every=2),
                     timeout=TIMEOUT)
     assert out[0] == out[3]
     assert "'diloco-r2-sharded-muon-v1'" in out[0] and "'diloco-r2-gtp-adamw-v1'" in out[0]
