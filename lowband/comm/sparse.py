@@ -293,6 +293,10 @@ class SparseRowExchange:
         self.bounds = owner_bounds(self.rows, n)
         if index_dtype is None:
             index_dtype = torch.int32 if self.padded_rows < 2**31 else torch.int64
+        elif index_dtype == torch.int32 and self.padded_rows > 2**31:
+            # row indices up to padded_rows - 1 would wrap in int32 and land on other rows
+            raise ValueError(f"SparseRowExchange({table!r}): index_dtype=torch.int32 cannot hold row indices of a "
+                             f"table padded to {self.padded_rows} rows (> 2**31); use torch.int64 or None")
         self.index_dtype = index_dtype
         self.last_stats: SparseStats | None = None
         self.tag = f"sparse:{table}"

@@ -103,6 +103,11 @@ def test_exchange_bad_arguments():
         SparseRowExchange("t", 8, 2, comm, mode="fast")
     with pytest.raises(ValueError, match="index_dtype"):
         SparseRowExchange("t", 8, 2, comm, index_dtype=torch.int16)
+    # int32 holds indices up to 2**31 - 1: a taller table would wrap them onto other rows
+    assert SparseRowExchange("t", 2**31, 2, comm, index_dtype=torch.int32).index_dtype == torch.int32
+    assert SparseRowExchange("t", 2**31 + 1, 2, comm).index_dtype == torch.int64
+    with pytest.raises(ValueError, match=r"index_dtype=torch.int32 cannot hold .* 2147483649 rows"):
+        SparseRowExchange("t", 2**31 + 1, 2, comm, index_dtype=torch.int32)
     ex = SparseRowExchange("t", 8, 2, comm)
     plan = ex.plan(np.array([0]))
     with pytest.raises(ValueError, match="grad has shape"):
