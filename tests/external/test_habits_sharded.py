@@ -102,8 +102,14 @@ def _torch_clip(kind: str) -> dict:
             before = _params(model)
             if kind == "norm":
                 torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-            else:
+            elif kind == "value":
                 torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+            elif kind == "data-clamp":  # the pre-1.0 clip_grad_value_: through .data, no version bump
+                for p in model.parameters():
+                    p.grad.data.clamp_(min=-1e-3, max=1e-3)
+            elif rank == dist.get_world_size() - 1:  # "data-one": one element, one rank, through .data
+                g = next(p.grad for p in model.parameters() if p.numel() > 1000)
+                g.data.view(-1)[1] += 1.0  # between any 64 evenly spaced samples: every bit is compared
         try:
             opt.step()
         except ValueError as e:
@@ -118,10 +124,12 @@ def _torch_clip(kind: str) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("kind", ["norm", "value"])
+@pytest.mark.parametrize("kind", ["norm", "value", "data-clamp", "data-one"])
 def test_torch_clip_on_p_grad_is_refused_on_every_rank(world: int, kind: str) -> None:
     """p.grad holds the local gradient lowband already reduced: torch's clip edits it in place (version
-    counter), which step() sees and refuses on every rank, before any update, naming the parameter."""
+    counter), which step() sees and refuses on every rank, before any update, naming the parameter. An edit
+    through ``.data`` bumps no version; step() compares every bit of each gradient with its copy, so one
+    element changed on one rank is refused on every rank too."""
     res = run_ranks(_torch_clip, world, kind)
     msgs = {_one_line(r.get("error")) for r in res}
     assert len(msgs) == 1  # the same line on every rank
