@@ -11,9 +11,11 @@ Layout of ``checkpoint.dir`` (default ``<run.out_dir>/<run.name>/checkpoint``)::
 
 Save protocol (every rank calls it at the same step): rank 0 clears ``.tmp-step-N``; barrier; every rank
 ``dcp.save`` (or ``dcp.async_save`` in a background thread, on its own gloo group) into it; then at commit
-(at once, or for async when the next save starts or the run ends) a barrier, rank 0 writes the marker into
+(at once; for async at the first step after every rank's part finished, agreed in the guard's per-step flags,
+or when the next save starts or the run ends) a barrier, rank 0 writes the marker into
 the temporary folder and ``os.replace`` s it to ``step-N``, deletes all but the newest ``keep_last``
-committed checkpoints *of this run's lineage* and stale temporary folders, checks that ``step-N`` is on disk,
+committed checkpoints *of this run's lineage* (marker first, then the files it lists; a folder holding anything
+else is kept) and stale temporary folders, checks that ``step-N`` is on disk,
 and a final barrier.
 
 Ownership: every marker records a ``lineage`` id. A fresh run starts a new one, a resumed run continues the
@@ -275,6 +277,26 @@ def data_fingerprint(tokens: Any) -> str:
     return f"sha256-{h.hexdigest()}"
 
 
+def delete_checkpoint(path: Path, meta: dict[str, Any]) -> list[str]:
+    """Remove a committed checkpoint this run may delete: its marker first (a delete cut short leaves no
+    folder that looks committed), then exactly the files the marker lists, then the folder if that emptied
+    it. Anything else in the folder (a user's eval results, another run's checkpoint saved inside it) stays,
+    with the folder; returns those names (empty when the folder is gone)."""
+    with contextlib.suppress(FileNotFoundError):
+        (path / MARKER).unlink()
+    for name in meta.get("files", {}):
+        if "/" not in name and name not in ("", ".", ".."):
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                (path / name).unlink()
+    try:
+        path.rmdir()
+    except FileNotFoundError:
+        return []
+    except OSError:
+        return sorted(c.name for c in path.iterdir())
+    return []
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -504,12 +526,15 @@ class CheckpointManager:
                                           f"{lineage_of(existing) or 'unrecorded'!r}); it is left as it is")
         if final.exists():  # re-saving a step (e.g. a resumed run ending where it started)
             if old.exists():
-                shutil.rmtree(old)
+                self._delete_old(old)
+                if old.exists():
+                    raise CheckpointError(f"{str(old)!r} is in the way of re-saving step {step} and holds files "
+                                          "this run did not write; it is left as it is")
             os.replace(final, old)
         os.replace(tmp, final)
         _fsync_dir(self.directory)
         if old.exists():
-            shutil.rmtree(old, ignore_errors=True)
+            self._delete_old(old)
         self._prune()
         if not (final / MARKER).is_file():
             raise CheckpointError(f"checkpoint {str(final)!r} is not on disk after its commit (removed by someone "
@@ -544,10 +569,10 @@ class CheckpointManager:
         checkpoints, ``*.unreadable`` folders, and an ``.old-step-<N>`` whose ``step-<N>`` is missing (a commit
         cut short between its two renames), which is renamed back."""
         for c in [c for c in list_checkpoints(self.directory) if self.owns(c)][:-self.keep_last]:
-            shutil.rmtree(c.path, ignore_errors=True)
+            self._delete(c.path, c.meta)
         for c in list_checkpoints(self.directory):
             if self._replaceable(c.path, c.meta):
-                shutil.rmtree(c.path, ignore_errors=True)
+                self._delete(c.path, c.meta)
         self._replace = {}
         for child in self.directory.iterdir():
             if not child.is_dir():
@@ -560,11 +585,37 @@ class CheckpointManager:
                 if step is not None and not target.exists():
                     os.replace(child, target)
                 else:
-                    shutil.rmtree(child, ignore_errors=True)
+                    self._delete_old(child)
+
+    def _delete(self, path: Path, meta: dict[str, Any]) -> None:
+        """Rank 0: :func:`delete_checkpoint`, warning about a folder kept for files this run did not write."""
+        kept = delete_checkpoint(path, meta)
+        if kept:
+            warn(f"checkpoint {str(path)!r} was deleted (its marker and the files it lists) but the folder is kept: "
+                 f"it holds files this run did not write ({', '.join(kept[:5])}{', ...' if len(kept) > 5 else ''})")
+
+    def _delete_old(self, old: Path) -> None:
+        """Rank 0: delete a ``.old-step-<N>`` (a committed checkpoint set aside by a re-save) the same way; one
+        without a readable marker is left as it is."""
+        try:
+            meta = read_marker(old)
+        except CheckpointError:
+            return
+        self._delete(old, meta)
 
     def close(self) -> None:
         """Collective: commit any in-flight async save."""
         self.wait()
+
+    @property
+    def pending(self) -> bool:
+        """An async save was started and is not committed yet (the same on every rank)."""
+        return self._pending is not None
+
+    def save_in_flight(self) -> bool:
+        """Local, no communication: an async save is pending and this rank's part of it has not finished.
+        When no rank's is (agreed by a collective the caller already runs), :meth:`wait` commits at once."""
+        return self._pending is not None and not self._pending[0].done()
 
     # -- load ---------------------------------------------------------------------------------------
 
@@ -792,13 +843,20 @@ class TrainCheckpointer:
         trainer = {"step": step, "scheduler": self.scheduler.state_dict(), "loader": self.loader.state_dict(),
                    "guard": self.guard.state_dict() if self.guard is not None else None,
                    "extra": self.extra_state() if self.extra_state is not None else None}
+        # an async save still in flight commits (or fails, reported as its own step's) before this one starts
+        self._handled(self.manager.wait)
         state = self._state(self.env.rank, pickle.dumps(trainer), pickle.dumps(rng_state()), self._buffers_blob())
+        meta = self.expected_meta()
+        if self.env.rank == 0:  # rank 0 writes the marker
+            meta.update(lineage=self.manager.lineage, data_fingerprint=self.data_fingerprint(),
+                        run_dir=str((Path(self.cfg.run.out_dir) / self.cfg.run.name).resolve()))
+        return self._handled(lambda: self.manager.save(step, state, meta))
+
+    def _handled(self, action: Callable[[], None]) -> bool:
+        """Run a collective save/commit ``action``; ``False`` when it failed and ``checkpoint.on_save_error =
+        continue`` (rank 0 warns), else the failure raises on every rank."""
         try:
-            meta = self.expected_meta()
-            if self.env.rank == 0:  # rank 0 writes the marker
-                meta.update(lineage=self.manager.lineage, data_fingerprint=self.data_fingerprint(),
-                            run_dir=str((Path(self.cfg.run.out_dir) / self.cfg.run.name).resolve()))
-            self.manager.save(step, state, meta)
+            action()
         except CheckpointSaveError as e:
             if getattr(self.cfg.checkpoint, "on_save_error", "stop") == "continue":
                 if self.env.is_main:
@@ -807,6 +865,18 @@ class TrainCheckpointer:
             raise CheckpointSaveError(f"{e}; the run stops (set checkpoint.on_save_error = continue to train on "
                                       "without it)") from e
         return True
+
+    def save_in_flight(self) -> bool:
+        """Local: this rank's part of an async save has not finished (what the guard's per-step flags carry)."""
+        return self.manager is not None and self.manager.save_in_flight()
+
+    def commit_finished(self, anyone_busy: bool) -> None:
+        """Collective: commit a pending async save once no rank's part is still running (``anyone_busy``, agreed
+        by the guard's per-step all-reduce), so a crash after it loses no more than the steps since it; a
+        failure follows ``checkpoint.on_save_error``. No communication when nothing is pending or some rank
+        is busy."""
+        if self.manager is not None and self.manager.pending and not anyone_busy:
+            self._handled(self.manager.wait)
 
     def due(self, step: int, final: bool) -> bool:
         """Whether to save after ``step`` steps (``final``: the run ends or stops here)."""
@@ -939,6 +1009,6 @@ class TrainCheckpointer:
         return info.step
 
     def close(self) -> None:
-        """Collective: commit an in-flight async save."""
+        """Collective: commit an in-flight async save (a failure follows ``checkpoint.on_save_error``)."""
         if self.manager is not None:
-            self.manager.close()
+            self._handled(self.manager.close)

@@ -1,14 +1,15 @@
 """Guard rails of the training loop: non-finite steps and dead peers.
 
 :class:`NonFiniteGuard` decides, identically on every rank, whether this step's update is applied.
-Communication: one all-reduce (``max``) of ``world_size + 2`` float64 flags per step on the metrics
+Communication: one all-reduce (``max``) of ``world_size + 3`` float64 flags per step on the metrics
 ``Comm`` (tag ``guard``, not counted as training traffic): flag ``r`` says rank ``r``'s loss was NaN/inf,
-flag ``world_size`` that some rank saw a non-finite gradient norm, and flag ``world_size + 1`` carries the
+flag ``world_size`` that some rank saw a non-finite gradient norm, flag ``world_size + 1`` carries the
 number of a signal some rank received (``lowband.train.stop``; 0 = none), so every rank stops after the
-same step. Every rank therefore sees the same verdict
-and either calls ``strategy.optimizer_step()`` or ``strategy.skip_step()``; no rank updates its shard of
-a sharded state while another skips. After ``max_consecutive`` skips in a row (or at the first one when
-skipping is off) every rank raises :class:`NonFiniteStepError` with the same message.
+same step, and flag ``world_size + 2`` that some rank's background work is still running (``busy``: the
+trainer's async checkpoint save), so every rank commits that work at the same step. Every rank therefore
+sees the same verdict and either calls ``strategy.optimizer_step()`` or ``strategy.skip_step()``; no rank
+updates its shard of a sharded state while another skips. After ``max_consecutive`` skips in a row (or at
+the first one when skipping is off) every rank raises :class:`NonFiniteStepError` with the same message.
 
 :func:`peer_failure_guard` turns the backend's error when a peer dies or stops answering (gloo: a
 connection reset at once, or a timeout after the process-group timeout) into a
@@ -59,6 +60,7 @@ class GuardVerdict:
         total: skipped steps so far in the run.
         message: one line for the log ("" when the step is fine).
         stop: the number of a signal some rank received (stop after this step), or 0.
+        busy: some rank passed ``busy=True`` to :meth:`NonFiniteGuard.check`.
     """
 
     skip: bool
@@ -68,6 +70,7 @@ class GuardVerdict:
     total: int = 0
     message: str = ""
     stop: int = 0
+    busy: bool = False
 
 
 class NonFiniteGuard:
@@ -93,29 +96,33 @@ class NonFiniteGuard:
         self.total = 0
         self.skipped_steps: list[int] = []
 
-    def check(self, step: int, loss: torch.Tensor | float, grad_norm: float | torch.Tensor) -> GuardVerdict:
+    def check(self, step: int, loss: torch.Tensor | float, grad_norm: float | torch.Tensor,
+              busy: bool = False) -> GuardVerdict:
         """Collective: agree whether global step ``step`` (1-based) is skipped; raise if the run must stop.
 
         Args:
             step: the 1-based step number (for messages and ``skipped_steps``).
             loss: this rank's loss for the step (any float tensor or number).
             grad_norm: the gradient norm the strategy computed (global, or this rank's view of it).
+            busy: this rank's background work is still running (the verdict's ``busy`` is the OR over ranks).
         """
         world, rank = self.comm.size, self.comm.rank
-        flags = torch.zeros(world + 2, dtype=torch.float64)
+        flags = torch.zeros(world + 3, dtype=torch.float64)
         loss_value = float(loss.detach().double().cpu()) if isinstance(loss, torch.Tensor) else float(loss)
         norm_value = float(grad_norm.detach().double().cpu()) if isinstance(grad_norm, torch.Tensor) \
             else float(grad_norm)
         flags[rank] = 0.0 if math.isfinite(loss_value) else 1.0
         flags[world] = 0.0 if math.isfinite(norm_value) else 1.0
         flags[world + 1] = float(stop.requested())
+        flags[world + 2] = float(bool(busy))
         self.comm.all_reduce(flags, "max", tag="guard")
         bad_ranks = [r for r in range(world) if flags[r] > 0]
         bad_norm = bool(flags[world] > 0)
         stop_signal = int(flags[world + 1])
+        anyone_busy = bool(flags[world + 2] > 0)
         if not bad_ranks and not bad_norm:
             self.consecutive = 0
-            return GuardVerdict(skip=False, stop=stop_signal)
+            return GuardVerdict(skip=False, stop=stop_signal, busy=anyone_busy)
         what = []
         if bad_ranks:
             what.append(f"non-finite loss on rank{'s' if len(bad_ranks) > 1 else ''} "
@@ -138,7 +145,8 @@ class NonFiniteGuard:
         msg = (f"step {step}: {reason}; update skipped on every rank ({self.consecutive} in a row, "
                f"{self.total} in this run)")
         return GuardVerdict(skip=True, bad_loss_ranks=bad_ranks, bad_grad_norm=bad_norm,
-                            consecutive=self.consecutive, total=self.total, message=msg, stop=stop_signal)
+                            consecutive=self.consecutive, total=self.total, message=msg, stop=stop_signal,
+                            busy=anyone_busy)
 
     def state_dict(self) -> dict[str, Any]:
         """Counters, for the checkpoint."""

@@ -198,12 +198,30 @@ def free_space_warning(cfg: Config) -> str | None:
             "checkpoint.dir elsewhere")
 
 
+def _check_not_in_checkpoint(path: Path, field: str) -> None:
+    """Refuse a directory that is, or lies inside, a committed checkpoint folder: what this run wrote there
+    would be mixed into that checkpoint (and deleted with it when its run prunes it)."""
+    from lowband.train.checkpoint import MARKER
+
+    p = path.resolve()
+    for anc in (p, *p.parents):
+        if (anc / MARKER).is_file():
+            inside = "is" if anc == p else "lies inside"
+            raise ConfigError(f"{field}: {str(path)!r} {inside} the committed checkpoint {str(anc)!r}: this run's "
+                              "files would be mixed into it (and deleted with it when its run prunes it). To "
+                              f"resume from it set checkpoint.resume = {str(anc)!r}; to save, choose a directory "
+                              "outside it")
+
+
 def check_dirs(cfg: Config) -> list[str]:
-    """Writable run and checkpoint directories; returns warning lines (free space)."""
+    """Writable run and checkpoint directories, neither inside a committed checkpoint; returns warning lines
+    (free space)."""
+    _check_not_in_checkpoint(Path(cfg.run.out_dir), "run.out_dir")
     _check_writable(Path(cfg.run.out_dir), "run.out_dir")
     if cfg.checkpoint.every > 0:
-        _check_writable(checkpoint_dir(cfg), "checkpoint.dir" if cfg.checkpoint.dir else
-                        "checkpoint directory (<run.out_dir>/<run.name>/checkpoint)")
+        field = "checkpoint.dir" if cfg.checkpoint.dir else "checkpoint directory (<run.out_dir>/<run.name>/checkpoint)"
+        _check_not_in_checkpoint(checkpoint_dir(cfg), field)
+        _check_writable(checkpoint_dir(cfg), field)
     w = free_space_warning(cfg)
     return [w] if w else []
 

@@ -380,7 +380,8 @@ def _train(cfg: Config, env: DistEnv, *, model_factory: ModelFactory | None, wri
             loss_sum += loss.detach().double()
         grad_norm = strategy.clip_grad_norm(cfg.optim.grad_clip)
         lr = strategy.optimizer.param_groups[0]["lr"]
-        verdict = guard.check(step + 1, loss_sum, grad_norm)  # same verdict on every rank
+        verdict = guard.check(step + 1, loss_sum, grad_norm,  # same verdict on every rank
+                              busy=checkpointer.save_in_flight())
         if verdict.skip:
             strategy.skip_step()
             if env.is_main and log:
@@ -435,6 +436,7 @@ def _train(cfg: Config, env: DistEnv, *, model_factory: ModelFactory | None, wri
                 tb.write(vrow)
             if env.is_main and log:
                 print(f"step {step + 1:>5}/{cfg.run.steps} | val_loss {last_val:.4f}", flush=True)
+        checkpointer.commit_finished(verdict.busy)  # an async save every rank has finished is committed now
         if checkpointer.due(step + 1, final=step + 1 == end_step or stop_now) and checkpointer.save(step + 1):
             last_checkpoint = str(checkpointer.directory / f"{STEP_PREFIX}{step + 1}")
             if env.is_main and log:

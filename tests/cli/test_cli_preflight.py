@@ -94,6 +94,21 @@ def test_unwritable_checkpoint_directory(tiny: Path) -> None:
             E + "run.out_dir: 'blocker' exists and is not a directory; choose a directory path", worlds=(2,))
 
 
+def test_a_checkpoint_directory_inside_a_committed_checkpoint_is_refused(tiny: Path) -> None:
+    """checkpoint.dir = <a step-N folder> (a slip for checkpoint.resume) started from step 0 and saved this run's
+    checkpoints inside that one, where its own run's pruning deleted them."""
+    step = tiny / "ck" / "step-8"
+    step.mkdir(parents=True)
+    (step / "lowband_checkpoint.json").write_text("{}")
+    where = str(step.resolve())
+    for given, inside in (("ck/step-8", "is"), ("ck/step-8/sub", "lies inside")):
+        _expect(tiny, ["--checkpoint.every=1", f"--checkpoint.dir={given}"],
+                E + f"checkpoint.dir: '{given}' {inside} the committed checkpoint {where!r}: this run's files would "
+                    "be mixed into it (and deleted with it when its run prunes it). To resume from it set "
+                    f"checkpoint.resume = {where!r}; to save, choose a directory outside it")
+    assert not (step / "sub").exists()
+
+
 def test_more_cpu_ranks_than_cores_warns_first(tiny: Path) -> None:
     # One core visible (affinity): 2 ranks are more than the cores. A missing shard then stops the run
     # before any rank starts, so the test stays fast; the warning is the first line.

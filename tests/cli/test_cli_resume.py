@@ -216,3 +216,22 @@ def test_a_failed_save_says_so_and_names_the_valid_checkpoint(saved: Path, tmp_p
                                                           "continue)"), stderr_lines(proc)[0]), proc.stderr
     assert "step     4/4" in proc.stdout
     assert sorted(p.name for p in ck.iterdir()) == ["step-1", "step-2"]
+
+
+def test_a_failed_async_save_with_continue_trains_on_and_exports(saved: Path, tmp_path: Path) -> None:
+    """checkpoint.on_save_error = continue covers async saves too: a save that fails in the background (found at
+    its commit, the next save or the run's end) is a warning, the next save is still made, and the run ends with
+    exit 0 and its model (it ended with exit 1 and no model; the next save was never started)."""
+    cwd = _copy(saved, tmp_path)
+    ck = cwd / "runs" / "t" / "checkpoint"
+    proc = run_cli(cwd, "--run.steps=4", "--checkpoint.every=1", "--checkpoint.async_save=true",
+                   "--checkpoint.on_save_error=continue", preexec_fn=_small_files)
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in stderr_lines(proc) if "training continues" in line]
+    for step in (3, 4):  # each save failed and was reported as its own
+        assert sum(f"checkpoint save of step {step} into 'runs/t/checkpoint' failed" in w for w in warnings) == 1, \
+            proc.stderr
+    assert "step     4/4" in proc.stdout
+    assert "model written to" in proc.stdout, proc.stdout
+    assert (cwd / "runs" / "t" / "model.safetensors").is_file()
+    assert sorted(p.name for p in ck.iterdir()) == ["step-1", "step-2"]

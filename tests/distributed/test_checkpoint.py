@@ -150,6 +150,68 @@ def test_async_save_resumes_exactly_and_snapshots_at_save_time(shard: str, tmp_p
         assert_same_state(second[r], full[r])
 
 
+def _run_recording_async_commits(cfg: Config, ckpt_dir: str, step: int) -> list[tuple[int, bool]]:
+    """Train with every rank's part of an async save finished by the next step (the background write is waited
+    for where the trainer asks whether it is still running: timing taken out), recording at each step's guard
+    check whether checkpoint ``step`` is committed."""
+    from lowband.train.guards import NonFiniteGuard
+
+    original_busy, original_check = CheckpointManager.save_in_flight, NonFiniteGuard.check
+    seen: list[tuple[int, bool]] = []
+
+    def finished_busy(self):  # type: ignore[no-untyped-def]
+        if self._pending is not None:
+            self._pending[0].result()
+        return original_busy(self)
+
+    def recording_check(self, s, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append((s, (Path(ckpt_dir) / f"step-{step}" / MARKER).is_file()))
+        return original_check(self, s, *args, **kwargs)
+
+    CheckpointManager.save_in_flight, NonFiniteGuard.check = finished_busy, recording_check
+    try:
+        train(cfg, write_run_dir=False, log=False)
+    finally:
+        CheckpointManager.save_in_flight, NonFiniteGuard.check = original_busy, original_check
+    return seen
+
+
+def test_async_save_commits_at_the_first_step_after_every_rank_finished(shard: str, tmp_path: Path) -> None:
+    """An async save is committed as soon as every rank's part is written (agreed in the guard's per-step flags),
+    not at the next save: a crash in between kept only the older checkpoint although this one was on disk."""
+    world = 2
+    cfg = tiny_config(shard, world, "ddp", 2, dtype="float32", ckpt_dir=str(tmp_path), every=3)
+    cfg.checkpoint.async_save = True
+    seen = run_ranks(_run_recording_async_commits, world, cfg, str(tmp_path), 3)
+    for r in range(world):
+        # saved after step 3, finished during step 4's check, committed at the end of step 4
+        assert seen[r] == [(1, False), (2, False), (3, False), (4, False), (5, True), (6, True)], seen[r]
+    assert [c.step for c in list_checkpoints(tmp_path)] == [3, 6]
+
+
+def test_pruning_deletes_only_what_the_marker_lists(shard: str, tmp_path: Path) -> None:
+    """keep_last pruning removes a checkpoint's marker and the files it recorded, nothing else: a file the user put
+    into the folder (eval results; another run's checkpoint saved inside it) stays, with the folder (shutil.rmtree
+    deleted it)."""
+    cfg = tiny_config(shard, 1, "single", 4, dtype="float32", ckpt_dir=str(tmp_path), every=2, steps=2)
+    cfg.checkpoint.keep_last = 1
+    run_ranks(_run, 1, cfg)
+    mine = tmp_path / "step-2" / "eval.json"
+    mine.write_text("{}")
+    nested = tmp_path / "step-2" / "other-run" / "step-2"
+    nested.mkdir(parents=True)
+    (nested / MARKER).write_text("{}")
+    cfg.run.steps = 4
+    run_ranks(_run, 1, cfg)
+    assert [c.step for c in list_checkpoints(tmp_path)] == [4]
+    assert sorted(p.name for p in (tmp_path / "step-2").iterdir()) == ["eval.json", "other-run"]
+    assert mine.read_text() == "{}" and (nested / MARKER).is_file()
+    # a folder holding only what the marker lists is removed whole
+    cfg.run.steps = 6
+    run_ranks(_run, 1, cfg)
+    assert [c.step for c in list_checkpoints(tmp_path)] == [6] and not (tmp_path / "step-4").exists()
+
+
 @pytest.mark.parametrize(("saved_world", "new_world"), [(4, 2), (2, 4)])
 def test_ddp_reshard_loads_and_continues(shard: str, tmp_path: Path, saved_world: int, new_world: int) -> None:
     global_batch = 8

@@ -189,3 +189,19 @@ def test_diloco_error_feedback_change_is_refused_by_name(shard: str, tmp_path: P
     assert out[0] == out[1]
     assert ("does not match this run: diloco.error_feedback (in effect, auto follows diloco.wire): checkpoint 'on', "
             "this run 'off'") in out[0], out[0]
+
+
+@pytest.mark.parametrize("before, after", [(0.9, 0.0), (0.0, 0.9)])
+def test_diloco_outer_momentum_on_off_is_refused_by_name(shard: str, tmp_path: Path, before: float,
+                                                         after: float) -> None:
+    """The outer SGD's momentum buffers are saved only with momentum on: resuming a 0.9 checkpoint at 0 dropped
+    them silently, 0 -> 0.9 failed with DCP's 'Missing key ... momentum_buffer'. Refused before loading, by name."""
+    cfg = diloco_config(shard, 2, steps=2, ckpt_dir=str(tmp_path), every=2)
+    cfg.diloco.outer_momentum = before
+    run_ranks(_run, 2, cfg)
+    cfg.run.steps, cfg.diloco.outer_momentum = 4, after
+    out = run_ranks(resume_error, 2, cfg)
+    assert out[0] == out[1]
+    on, off = ("'on'", "'off'") if before else ("'off'", "'on'")
+    assert f"does not match this run: diloco.outer_momentum (in effect): checkpoint {on}, this run {off}" in out[0], \
+        out[0]

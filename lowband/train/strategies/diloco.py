@@ -503,13 +503,18 @@ class DilocoStrategy(Strategy):
     def resume_settings(self) -> dict[str, Any]:
         """The fragment schedule: a checkpoint holds its position inside a fragment period (the local step) and
         which fragment is in flight, which mean nothing under another ``sync_every``, ``fragments`` or ``delay``;
-        whether error feedback is in effect (the residuals); and the inner strategy's own."""
+        whether error feedback is in effect (the residuals) and the outer momentum (its buffers); and the inner
+        strategy's own."""
         d = self.cfg.diloco
         return {"diloco.sync_every": d.sync_every, "diloco.fragments": d.fragments, "diloco.delay": d.delay,
                 # residuals exist only with error feedback on (auto: on for the message codecs of diloco.wire): a
                 # resume without would drop the mass they hold, one with would miss them
                 "diloco.error_feedback (in effect, auto follows diloco.wire)": "on" if self.diloco.error_feedback
-                else "off", **self.inner.resume_settings()}
+                else "off",
+                # the outer SGD's momentum buffers are saved only with momentum on: a resume without would drop
+                # them silently, one with would miss them
+                "diloco.outer_momentum (in effect)": "on" if d.outer_momentum != 0 else "off",
+                **self.inner.resume_settings()}
 
     def state_dict(self) -> dict[str, Any]:
         return self._ckpt_layout().state_dict()
