@@ -15,8 +15,9 @@ Communication (per sync, cross-replica group, tag ``diloco:frag<i>``): per bucke
 one all-gather of the encoded pseudo-gradient (``2 (N-1)/N`` of the encoded bytes per rank, see
 :mod:`lowband.comm.codecs`). Once at construction (tag ``diloco:init``): one broadcast from replica 0
 of every parameter of the model, trainable or frozen, and every buffer (``init_sync``, as DDP's
-construction does), and one ``all_gather_object`` (tag ``validate``) checking that every replica has
-the same settings, fragment shapes and parameter / buffer shapes.
+construction does), and two ``all_gather_object`` (tag ``validate``) checking that every replica has
+the same settings, fragment shapes and parameter / buffer shapes, and the same outer optimizers (class and
+param-group hyperparameters: another outer lr or momentum would step the same average differently).
 
 Parameters and buffers outside the schedule (PyTorch semantics, docs/diloco.md "Frozen, unused and
 conditional parameters"): a frozen parameter (``requires_grad=False`` at construction) is in no
@@ -98,6 +99,18 @@ def _bucket_bounds(numel: int, cap_elems: int | None, breaks: Sequence[int] = ()
         else:
             out += [(s, min(s + cap_elems, hi)) for s in range(lo, hi, cap_elems)]
     return out
+
+
+def outer_settings(outers: Iterable[torch.optim.Optimizer]) -> list[tuple[str, list[dict[str, object]]]]:
+    """Per fragment: the outer optimizer's class and each param group's hyperparameters (numbers as floats), what
+    every replica must share (taken at construction: a schedule the user attaches later is not compared)."""
+    def plain(v: object) -> object:
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            return float(v)
+        return list(v) if isinstance(v, tuple) else v
+
+    return [(type(o).__name__, [{k: plain(v) for k, v in sorted(g.items()) if k != "params" and not callable(v)}
+                                for g in o.param_groups]) for o in outers]
 
 
 def weights_digest(tensors: Iterable[torch.Tensor]) -> str:
@@ -289,6 +302,9 @@ class StreamingDiLoCo:
             self.globals.append(copies)
         self.outer: list[torch.optim.Optimizer] = [fac(g) for fac, g in zip(factories, self.globals,
                                                                            strict=True)]
+        # replicas stepping the same average with another outer lr or momentum would drift apart silently
+        self.agreed_settings["outer optimizer"] = outer_settings(self.outer)
+        self.comm.agree(self.agreed_settings["outer optimizer"], "diloco outer optimizer (type and hyperparameters)")
         self.residuals: list[torch.Tensor | None] = [
             torch.zeros(f.numel, dtype=dt, device=self.backup_device) if self.error_feedback else None
             for f, dt in zip(self.frags, self.buffer_dtypes, strict=True)]

@@ -523,3 +523,26 @@ def test_trainer_config_errors(shard: str, key: str, value: object, match: str) 
     cfg = _tiny_trainer_config(shard, 2, **{"sync_every": 4, key: value})
     with pytest.raises(ConfigError, match=match):
         validate(cfg, world_size=2)
+
+
+def _outer_lr_worker() -> str:
+    from functools import partial
+
+    rank = dist.get_rank()
+    model = Net(torch.float32)
+    opt = torch.optim.AdamW(model.parameters())
+    outer = partial(torch.optim.SGD, lr=0.7 if rank == 0 else 0.5, momentum=0.9, nesterov=True)
+    try:
+        StreamingDiLoCo(model, opt, comm=Comm(), sync_every=2, outer_optimizer=outer)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_replicas_with_another_outer_lr_are_refused() -> None:
+    """Replicas stepping the same averaged pseudo-gradient with another outer lr drift apart with every sync and no
+    error: the outer optimizers' class and hyperparameters are agreed at construction, on every replica alike."""
+    res = run_ranks(_outer_lr_worker, 2)
+    assert res[0] == res[1]
+    assert res[0].startswith("diloco outer optimizer (type and hyperparameters) differs between ranks"), res[0]
+    assert "'lr': 0.7" in res[0] and "'lr': 0.5" in res[0]

@@ -106,7 +106,7 @@ def test_groups_with_other_settings_are_refused_on_every_group_naming_the_settin
         assert kind == "refused", (replica, message)
         assert f"replica groups disagree on {differ} " in message and "refused at join" in message, message
         assert (this if replica == 0 else other) in message, message
-        assert checks and all(op == "all_gather" and nbytes == 8 * 14 for op, nbytes in checks)  # 14 settings
+        assert checks and all(op == "all_gather" and nbytes == 8 * 15 for op, nbytes in checks)  # 15 settings
 
 
 def test_groups_with_the_same_settings_check_once_per_quorum_and_train() -> None:
