@@ -102,8 +102,9 @@ def _bucket_bounds(numel: int, cap_elems: int | None, breaks: Sequence[int] = ()
 
 
 def outer_settings(outers: Iterable[torch.optim.Optimizer]) -> list[tuple[str, list[dict[str, object]]]]:
-    """Per fragment: the outer optimizer's class and each param group's hyperparameters (numbers as floats), what
-    every replica must share (taken at construction: a schedule the user attaches later is not compared)."""
+    """Per fragment: the outer optimizer's class and each param group's hyperparameters (one-element tensors as
+    floats, tuples as lists), what every replica must share (taken at construction: a schedule the user attaches
+    later is not compared)."""
     def plain(v: object) -> object:
         if isinstance(v, torch.Tensor) and v.numel() == 1:
             return float(v)
