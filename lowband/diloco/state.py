@@ -14,8 +14,10 @@ world size (``<fqn>`` = the parameter's first name in the model; tied parameters
                                   the in-flight averaged pseudo-gradient (zeros outside the in-flight fragment)
     residual.<fqn>                error feedback: this replica's residual of the parameter     (per replica)
     inflight_residual.<fqn>       error feedback: the residual an in-flight sync leaves        (per replica)
+    residual_owner                error feedback, logical form: the replica index whose residuals these are
+                                  (per replica; a row loaded on another replica is refused)
 
-Everything but the two ``residual`` families is identical on every replica (every replica applies the
+Everything but the ``residual`` families is identical on every replica (every replica applies the
 same averaged pseudo-gradient). The residuals are private to a replica (identical on ranks holding the
 same elements inside one): each is stored as one tensor of shape ``(R, *shape)``, replica ``j``'s row
 at leading offset ``j``, so ``torch.distributed.checkpoint`` (``dcp.save`` / ``dcp.load`` into a fresh
@@ -392,6 +394,9 @@ def _logical_state_dict(dl: StreamingDiLoCo) -> dict[str, Any]:
                 out[f"residual.{name}"] = per_replica(_logical(dl, name, r), layout[0], layout[1], dl.dcp_meshes)
                 out[f"inflight_residual.{name}"] = per_replica(_logical(dl, name, q), layout[0], layout[1],
                                                                dl.dcp_meshes)
+    if layout is not None:  # torch.save keeps only the saving rank's DTensor row: name whose it is
+        out["residual_owner"] = per_replica(torch.tensor(layout[2], dtype=torch.int64, device=dl.backup_device),
+                                            layout[0], layout[1], dl.dcp_meshes)
     return out
 
 
@@ -413,6 +418,15 @@ def load_diloco_state_dict(dl: StreamingDiLoCo, state: dict[str, Any]) -> None:
 
     def local(name: str, v: Any) -> torch.Tensor:
         return _from_saved(dl, name, v)
+
+    if replica is not None and "residual_owner" in state:
+        owner = int(torch.as_tensor(_replica_row(state["residual_owner"], replica)).reshape(-1)[0])
+        if owner != replica:
+            raise ValueError(
+                f"diloco load_state_dict: the error-feedback residuals in this state are replica {owner}'s, and "
+                f"this is replica {replica}: a residual is private to its replica (a state_dict() saved by one rank "
+                "and loaded on every replica). Save and load each replica's own state (torch.save per rank, or "
+                "torch.distributed.checkpoint / lowband.diloco.DilocoCheckpoint, which keep every replica's row)")
 
     for i, (frag, gs, outer) in enumerate(zip(dl.frags, dl.globals, dl.outer, strict=True)):
         for name, g in zip(frag.names, gs, strict=True):

@@ -53,6 +53,7 @@ format is :meth:`StreamingDiLoCo.state_dict` (:mod:`lowband.diloco.state`), DCP-
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -136,11 +137,31 @@ def init_state(model: nn.Module) -> list[tuple[str, str, torch.Tensor]]:
     return params + [("buffer", n, b) for n, b in model.named_buffers()]
 
 
+class _ModelLoadMarker:
+    """The model's ``load_state_dict`` post-hook: tells its :class:`StreamingDiLoCo` (held weakly) that the model
+    was loaded. A copy of the model (``copy.deepcopy``, pickle: an export's unsharded copy) gets an inert one."""
+
+    def __init__(self, diloco: StreamingDiLoCo | None) -> None:
+        self._diloco = None if diloco is None else weakref.ref(diloco)
+
+    def __call__(self, _module: nn.Module, _keys: Any) -> None:
+        diloco = None if self._diloco is None else self._diloco()
+        if diloco is not None:
+            diloco._model_loaded = True
+
+    def __deepcopy__(self, _memo: dict) -> _ModelLoadMarker:
+        return _ModelLoadMarker(None)
+
+    def __reduce__(self) -> tuple[type, tuple[None]]:
+        return _ModelLoadMarker, (None,)
+
+
 class StreamingDiLoCo:
     """Streaming DiLoCo around an existing model and inner optimizer.
 
     Args:
-        model: the replica's model, weights initialised (the global copies are taken now).
+        model: the replica's model, weights initialised or pretrained weights loaded (the global copies are
+            taken now; weights loaded later without :meth:`load_state_dict` are refused at the next step).
         inner_optimizer: the model's optimizer; a step post-hook is registered on it.
         comm: the cross-replica group (same dp rank in every replica); ``None`` = a 1-rank Comm.
         sync_every: H, inner steps between two syncs of the same fragment.
@@ -324,9 +345,16 @@ class StreamingDiLoCo:
         self._frag_ids = {id(p) for f in self.frags for p in f.params}
         self.check_trainable()
         self.membership.attach(self)
-        self._hooks = [inner_optimizer.register_step_post_hook(self._post_step)]
-        if hasattr(self.membership, "before_step"):
-            self._hooks.append(inner_optimizer.register_step_pre_hook(lambda *_: self._pre_step()))
+        # where the weights come from (checked before every inner step, see _check_weights_source): the fragment
+        # parameters' version counters now, whether an inner step ran, and what was loaded since the last one
+        self._built_versions = self._versions()
+        self._stepped = False
+        self._model_loaded = False
+        self._written_before_paused = False  # fragment weights written before a paused() step, none unpaused yet
+        self._state_loaded: tuple[int, int] | None = None  # (committed, local_step) of a loaded state
+        self._hooks = [inner_optimizer.register_step_post_hook(self._post_step),
+                       inner_optimizer.register_step_pre_hook(lambda *_: self._pre_step()),
+                       model.register_load_state_dict_post_hook(_ModelLoadMarker(self))]
 
     # ------------------------------------------------------------------------------ properties
     @property
@@ -366,12 +394,59 @@ class StreamingDiLoCo:
         finally:
             self._paused = was
 
+    def _versions(self) -> list[int]:
+        return [p._version for f in self.frags for p in f.params]
+
     def _pre_step(self) -> None:
-        if not self._paused:
+        if self._paused:  # a paused step writes the weights (a zero-lr step still does in place): count what came first
+            if not self._stepped and self._versions() != self._built_versions:
+                self._written_before_paused = True
+            return
+        self._check_weights_source()
+        if hasattr(self.membership, "before_step"):
             self.membership.before_step()
+
+    def _check_weights_source(self) -> None:
+        """Before an inner step: refuse weights that do not match the global copies' source (local, the same
+        script on every replica: every replica raises at the same step).
+
+        * The model was loaded (``model.load_state_dict`` since the last inner step, or any in-place write to a
+          fragment parameter between construction and the first step: ``dcp.load``, ``copy_``) and DiLoCo's own
+          state was not (:meth:`load_state_dict`, a heal's :meth:`load_outer_state`): the global copies are
+          still the old weights, so the next sync would apply ``loaded - old`` as a pseudo-gradient.
+        * Before the first step, a loaded state has progress (``committed`` or ``local_step`` > 0) while no
+          fragment parameter was written since construction and ``init_sync`` made the replicas equal: every
+          replica trains from replica 0's weights, its own (loaded before StreamingDiLoCo was built) lost.
+
+        Writes through ``.data`` bump no version counter and are not seen."""
+        written = self._model_loaded or (not self._stepped and (self._written_before_paused
+                                                                 or self._versions() != self._built_versions))
+        if written and self._state_loaded is None:
+            how = ("model.load_state_dict() was called" if self._model_loaded else
+                   "the weights were written in place (dcp.load, copy_)")
+            raise ValueError(
+                f"diloco: {how} after StreamingDiLoCo was built, but DiLoCo's own state was not loaded: its global "
+                "copies are still the weights it was built from, so the next sync would apply the difference as "
+                "a pseudo-gradient. To start from other weights (pretrained), load them before building "
+                "StreamingDiLoCo; to resume, load its state too (dl.load_state_dict of a saved dl.state_dict(), "
+                "or lowband.diloco.DilocoCheckpoint)")
+        if (not self._stepped and not written and self._state_loaded is not None and any(self._state_loaded)
+                and self.init_sync and self.comm.size > 1):
+            committed, local_step = self._state_loaded
+            raise ValueError(
+                f"diloco: a state with progress was loaded (committed {committed}, local_step {local_step}), but no "
+                f"model weight was loaded since StreamingDiLoCo was built with init_sync={self.init_sync!r}: every "
+                "replica holds replica 0's weights (a model loaded before building is overwritten by init_sync), "
+                "so each replica's own progress is lost. Load each replica's model after building StreamingDiLoCo, "
+                "or build it with init_sync=False when every replica loads its own weights first")
+        self._model_loaded = self._written_before_paused = False
+        self._state_loaded = None
+        self._stepped = True
 
     def _post_step(self, _opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         if self._paused:
+            if not self._stepped:
+                self._built_versions = self._versions()
             return
         if hasattr(self.membership, "after_step"):
             self.membership.after_step()
@@ -394,9 +469,17 @@ class StreamingDiLoCo:
         """Raise ``ValueError`` naming a parameter the inner optimizer trains that is in no fragment: one unfrozen
         (``requires_grad_(True)``) after DiLoCo was built, an adapter added since (``add_param_group``), or a
         trainable parameter of the inner optimizer outside the model. Nothing would ever sync it: every replica
-        would train its own copy for the rest of the run. Runs at construction and at every fragment's prepare
-        (local; the same script changes every replica alike, so every replica raises at the same prepare).
-        Rebuild DiLoCo after changing which parameters train."""
+        would train its own copy for the rest of the run. Also refuses a fragment parameter frozen
+        (``requires_grad_(False)``) since: the outer optimizer's momentum would keep moving it. Runs at
+        construction, at every fragment's prepare and at its sync (local; the same script changes every replica
+        alike, so every replica raises at the same step). Rebuild DiLoCo after changing which parameters train."""
+        frozen = [n for f in self.frags for n, p in zip(f.names, f.params, strict=True) if not p.requires_grad]
+        if frozen:
+            raise ValueError(
+                f"diloco: {frozen[:5]} {'was' if len(frozen) == 1 else 'were'} frozen (requires_grad=False) after "
+                "StreamingDiLoCo was built: the outer optimizer would keep moving a frozen weight (its momentum), "
+                "where torch leaves it alone. Build StreamingDiLoCo after choosing which parameters train (close() "
+                "the old one first; init_sync then starts every replica from replica 0's weights)")
         named = {id(p): n for n, p in self.model.named_parameters()}
         stray = [named[id(p)] for p in self.model.parameters() if p.requires_grad and id(p) not in self._frag_ids]
         stray += [named.get(id(p), f"inner_optimizer.param_groups[{gi}]['params'][{pi}]")
@@ -446,6 +529,7 @@ class StreamingDiLoCo:
             raise RuntimeError(f"diloco: sync of fragment {i} without a matching prepare")
         self._wait_inflight()
         self._inflight = None
+        self.check_trainable()  # a parameter frozen between the prepare and now
         if not all_finite(inflight.flat):  # the same bits on every replica: all raise
             own = "finite" if inflight.own_finite else "NOT finite"
             raise FloatingPointError(
@@ -489,6 +573,7 @@ class StreamingDiLoCo:
         from lowband.diloco.state import load_diloco_state_dict
 
         load_diloco_state_dict(self, state)
+        self._state_loaded = (self.committed, self.local_step)
 
     def outer_state(self) -> dict[str, Any]:
         """Global copies and outer optimizer states only (what a healing replica copies from a peer)."""
@@ -506,6 +591,7 @@ class StreamingDiLoCo:
                     r.zero_()
         for o, s in zip(self.outer, state["outer"], strict=True):
             o.load_state_dict(s)
+        self._state_loaded = (self.committed, self.local_step)
 
     def wait_inflight(self) -> None:
         """Complete the in-flight fragment's all-reduce now (its handles in order, the same on every

@@ -606,10 +606,11 @@ class GTPRuntime:
                  if id(p) in params and p.requires_grad and not is_gtp_param(p) and id(p) not in self._hooked]
         if names:
             raise GTPStateError(
-                f"GTP: replicated parameters {sorted(set(names))[:5]} were frozen (requires_grad=False) when GTP "
-                "attached the model and are trainable now: their gradients were not averaged over the GTP group, so "
-                "the ranks would step apart. Call runtime.attach(model) after unfreezing (before the backward), or "
-                "unfreeze before shard_linears / shard_embeddings")
+                f"GTP: replicated parameters {sorted(set(names))[:5]} are trainable now but were not when GTP "
+                "attached the model (frozen then, or added since, e.g. an adapter): GTP has no hook on them, so their "
+                "gradients were not averaged over the GTP group and the ranks would step apart. Call "
+                "runtime.attach(model) after unfreezing or adding them (before the backward), or do either before "
+                "shard_linears / shard_embeddings")
 
     def check_grad_edits(self, params: set[int] | None = None) -> None:
         """Raise :class:`GTPStateError` if a recorded gradient (of ``params``, default all) was changed
@@ -669,8 +670,18 @@ class GTPRuntime:
             self._local_state_depth -= 1
 
     def check_state_access(self, module: nn.Module, what: str) -> None:
-        """Raise :class:`GTPStateError` for a plain ``state_dict``/``load_state_dict`` of a sharded module."""
-        if self.size > 1 and not self._local_state_depth:
+        """Raise :class:`GTPStateError` for a plain ``state_dict``/``load_state_dict`` of a sharded module (on a
+        group of one too when fp8 gathers pad the weight's rows: the shard is not the weight's shape)."""
+        if self._local_state_depth:
+            return
+        gw = getattr(module, "gtp", None)
+        if self.size == 1 and gw is not None and gw.pad:
+            raise GTPStateError(
+                f"{what} of a GTP module ({type(module).__name__} {gw.name!r}) would label its fp8-block padded "
+                f"shard ({gw.padded_out} rows) as the weight of {gw.out_features} rows; use "
+                "lowband.parallel.gtp_state.GTPStateLayout(model, optimizer) for checkpoints or "
+                "lowband.parallel.unsharded_copy(model) for a plain model")
+        if self.size > 1:
             raise GTPStateError(
                 f"{what} of a GTP module ({type(module).__name__} {getattr(module.gtp, 'name', '')!r}) would "
                 f"label this rank's 1/{self.size} row shard as the whole weight (a mislabeled checkpoint, "

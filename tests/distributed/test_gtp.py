@@ -978,5 +978,6 @@ def test_a_parameter_unfrozen_after_sharding_is_refused_until_attached():
     """Regression: it was never averaged (no hook), so the ranks silently stepped apart."""
     res = run_ranks(_unfrozen_after_shard, 2, 0, timeout=TIMEOUT)
     assert res[0]["refused"] == res[1]["refused"]
-    assert res[0]["refused"].startswith("GTP: replicated parameters ['2.bias', '3.bias', '3.weight'] were frozen"), res
+    assert res[0]["refused"].startswith("GTP: replicated parameters ['2.bias', '3.bias', '3.weight'] are trainable "
+                                        "now but were not when GTP attached the model"), res
     assert all(r["diff"] <= 1e-12 for r in res), res

@@ -109,3 +109,23 @@ def test_one_rank_runtime_matches_and_counts():
     with torch.no_grad():  # inference: on-demand gathers, no chain state touched
         torch.testing.assert_close(model(idx), ref(idx))
     assert ledger.count(tag="gtp:ag:eval") == 3
+
+
+def test_one_rank_fp8_state_dict_is_refused_not_padded():
+    """With fp8 gathers a group of one still pads a weight's rows to the fp8 block: a plain ``state_dict()`` returned
+    the padded shard under the weight's name (a (32, 32) '0.weight' for a Linear(32, 10)); now refused by name,
+    while an unpadded weight (rows a multiple of the block) keeps its plain state_dict."""
+    from lowband.parallel.gtp import GTPStateError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 10))
+    shard_linears(model, GTPRuntime(Comm(), gather_format="fp8"))
+    assert model[0].gtp.pad == 22
+    with pytest.raises(GTPStateError, match=r"\(GTPLinear '0'\) would label its fp8-block padded shard \(32 rows\) "
+                                            r"as the weight of 10 rows"):
+        model.state_dict()
+    with pytest.raises(GTPStateError, match="fp8-block padded shard"):
+        model.load_state_dict({})
+    whole = nn.Sequential(nn.Linear(32, 64))
+    shard_linears(whole, GTPRuntime(Comm(), gather_format="fp8"))
+    assert whole[0].gtp.pad == 0 and whole.state_dict()["0.weight"].shape == (64, 32)

@@ -1,0 +1,214 @@
+"""Where a StreamingDiLoCo replica's weights come from, from a user's own script: weights loaded after it was built
+(pretrained, or a model-only resume), a model loaded before it was built and then overwritten by init_sync, one
+rank's saved state loaded on every replica, a parameter frozen mid-run. Each was silently wrong before (the
+global copies, residuals or outer momentum no longer matched the weights); each is now refused by name, and the
+documented orders resume bit for bit."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lowband.comm import Comm
+from lowband.diloco import StreamingDiLoCo
+from lowband.testing import run_ranks
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(3, 4, dtype=torch.float64), nn.Tanh(), nn.Linear(4, 2, dtype=torch.float64))
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, replica: int, step: int) -> None:
+    g = torch.Generator().manual_seed(1000 * replica + step)
+    x, y = torch.randn(5, 3, generator=g, dtype=torch.float64), torch.randn(5, 2, generator=g, dtype=torch.float64)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+# ---------------------------------------------------------------------------------------- one process
+def test_model_loaded_after_building_is_refused_at_the_next_step() -> None:
+    """Pretrained weights loaded after StreamingDiLoCo was built: the global copies are the built weights, so the
+    first sync applied (pretrained - built) as a pseudo-gradient; now the next inner step raises."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    dl = StreamingDiLoCo(model, opt, sync_every=2)
+    model.load_state_dict(_model(seed=1).state_dict())
+    with pytest.raises(ValueError, match=r"model.load_state_dict\(\) was called after StreamingDiLoCo was built, "
+                                         r"but DiLoCo's own state was not loaded"):
+        _step(model, opt, 0, 0)
+    dl.close()
+
+
+def test_an_in_place_load_before_the_first_step_is_refused() -> None:
+    """dcp.load into model.state_dict() writes in place (no load_state_dict call): seen by the version counters."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    dl = StreamingDiLoCo(model, opt, sync_every=2)
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), _model(seed=1).parameters(), strict=True):
+            p.copy_(q)
+    with dl.paused():  # a paused zero-lr step after the write (torch's get_state_dict) does not hide it
+        opt.step()
+    with pytest.raises(ValueError, match=r"the weights were written in place \(dcp.load, copy_\) after "
+                                         "StreamingDiLoCo was built"):
+        _step(model, opt, 0, 0)
+    dl.close()
+
+
+def test_a_model_only_reload_mid_run_is_refused() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    dl = StreamingDiLoCo(model, opt, sync_every=2)
+    for s in range(3):
+        _step(model, opt, 0, s)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    _step(model, opt, 0, 3)
+    model.load_state_dict(saved)
+    with pytest.raises(ValueError, match=r"model.load_state_dict\(\) was called after StreamingDiLoCo was built"):
+        _step(model, opt, 0, 4)
+    dl.close()
+
+
+def test_resume_after_building_in_either_order_matches_the_uninterrupted_run() -> None:
+    """The documented resume (build, then load the model and DiLoCo's state, in either order) is not refused and
+    continues bit for bit; so does an in-place write with the state loaded."""
+    def run(stop: int | None, order: str = "") -> tuple[torch.Tensor, dict]:
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
+        dl = StreamingDiLoCo(model, opt, sync_every=4, fragments=2, delay=1)
+        for s in range(stop if stop is not None else 11):
+            _step(model, opt, 0, s)
+        if stop is None:
+            return _flat(model), {}
+        buf = io.BytesIO()
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "dl": dl.state_dict()}, buf)
+        dl.close()
+        return _flat(model), {"blob": buf.getvalue()}
+
+    want, _ = run(None)
+    _, saved = run(7)
+    for order in ("model-first", "state-first", "in-place"):
+        st = torch.load(io.BytesIO(saved["blob"]), weights_only=False)
+        model = _model(seed=5)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
+        dl = StreamingDiLoCo(model, opt, sync_every=4, fragments=2, delay=1)
+        if order == "state-first":
+            dl.load_state_dict(st["dl"])
+        if order == "in-place":
+            with torch.no_grad():
+                for (_, p), v in zip(model.named_parameters(), st["model"].values(), strict=True):
+                    p.copy_(v)
+        else:
+            model.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        if order != "state-first":
+            dl.load_state_dict(st["dl"])
+        for s in range(7, 11):
+            _step(model, opt, 0, s)
+        assert torch.equal(_flat(model), want), order
+        dl.close()
+
+
+def test_a_fragment_parameter_frozen_mid_run_is_refused() -> None:
+    """Outer momentum kept moving a parameter frozen after DiLoCo was built (torch leaves a frozen weight alone);
+    now the next prepare refuses it by name, and a freeze between a prepare and its sync is refused at the sync."""
+    for delay, freeze_at in ((0, 2), (1, 3)):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        dl = StreamingDiLoCo(model, opt, sync_every=4, fragments=2, delay=delay)
+        for s in range(freeze_at):
+            _step(model, opt, 0, s)
+        model[0].weight.requires_grad_(False)
+        before = model[0].weight.detach().clone()
+        with pytest.raises(ValueError, match=r"diloco: \['0.weight'\] was frozen \(requires_grad=False\) after "
+                                             "StreamingDiLoCo was built"):
+            for s in range(freeze_at, freeze_at + 4):
+                _step(model, opt, 0, s)
+        assert torch.equal(model[0].weight, before)
+        dl.close()
+
+
+# ---------------------------------------------------------------------------------------- two replicas
+def _resume_worker(mode: str, path: str) -> object:
+    """Replica r trains 6 steps on its own data (H=4: one fragment synced, the other in progress), saves; then a
+    fresh process resumes in ``mode`` and trains to step 10; returns the weights (or the error)."""
+    rank = dist.get_rank()
+
+    def build(model: nn.Module, init_sync: bool | str = True) -> tuple[torch.optim.Optimizer, StreamingDiLoCo]:
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        dl = StreamingDiLoCo(model, opt, comm=Comm(name="replica"), sync_every=4, fragments=2, wire="topk-int2",
+                             topk_chunk=4, topk_k=2, block_size=4, init_sync=init_sync)
+        return opt, dl
+
+    model = _model(seed=rank)  # seeded per rank, nanoGPT style: init_sync makes the replicas equal
+    opt, dl = build(model)
+    for s in range(6):
+        _step(model, opt, rank, s)
+    own = f"{path}.{rank}"
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "dl": dl.state_dict()}, own)
+    if mode == "uninterrupted":
+        for s in range(6, 10):
+            _step(model, opt, rank, s)
+        dl.close()
+        return _flat(model)
+    dl.close()
+    dist.barrier()
+    st = torch.load(own if mode != "rank0-file" else f"{path}.0", weights_only=False)
+    model = _model(seed=rank)
+    try:
+        if mode in ("load-before-build", "load-before-build-no-init-sync"):
+            model.load_state_dict(st["model"])
+            opt, dl = build(model, init_sync=mode == "load-before-build")
+        else:
+            opt, dl = build(model)
+            model.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        dl.load_state_dict(st["dl"])
+        if mode == "rank0-file":  # replica 1 refused the load: train no further (it would wait for replica 1)
+            dl.close()
+            return "loaded"
+        for s in range(6, 10):
+            _step(model, opt, rank, s)
+    except ValueError as e:
+        return str(e)
+    dl.close()
+    return _flat(model)
+
+
+@pytest.mark.parametrize("mode", ["load-before-build", "rank0-file"])
+def test_two_replicas_resumed_wrongly_are_refused(tmp_path, mode: str) -> None:
+    """Loading the model before building StreamingDiLoCo let init_sync overwrite replica 1's weights with replica 0's;
+    loading rank 0's saved DiLoCo state on every replica handed rank 0's error-feedback residuals to replica 1.
+    Both resumed with no error; now refused by name (the first on both replicas, the second on replica 1)."""
+    res = run_ranks(_resume_worker, 2, mode, os.fspath(tmp_path / "ckpt"))
+    if mode == "load-before-build":
+        for r in res:
+            # synced at steps 2, 4 and 6
+            assert isinstance(r, str) and "a state with progress was loaded (committed 3, local_step 0)" in r, r
+            assert "build it with init_sync=False when every replica loads its own weights first" in r
+    else:
+        assert res[0] == "loaded"  # replica 0 loads its own file
+        assert isinstance(res[1], str), res[1]
+        assert res[1].startswith("diloco load_state_dict: the error-feedback residuals in this state are replica "
+                                 "0's, and this is replica 1"), res[1]
+
+
+def test_two_replicas_resumed_rightly_match_the_uninterrupted_run(tmp_path) -> None:
+    want = run_ranks(_resume_worker, 2, "uninterrupted", os.fspath(tmp_path / "a"))
+    assert not torch.equal(want[0], want[1])  # the replicas differ between syncs: what a wrong resume loses
+    for mode in ("load-after-build", "load-before-build-no-init-sync"):
+        got = run_ranks(_resume_worker, 2, mode, os.fspath(tmp_path / mode))
+        for r in range(2):
+            assert isinstance(got[r], torch.Tensor), got[r]
+            assert torch.equal(got[r], want[r]), (mode, r)
