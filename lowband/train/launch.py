@@ -22,6 +22,10 @@ config validated. The launcher (one process):
 
 Ranks print their own stdout (rank 0 logs) and any warning directly; the launcher prints the error
 lines. No torch elastic agent is involved, so no ``ChildFailedError`` report. No communication.
+
+The temporary folder is removed on every exit path: by the launcher itself, or, when the launcher is killed
+(SIGKILL, the OOM killer, a job scheduler), by a small janitor process in its own session
+(:func:`start_janitor`) that sees the launcher's end of a pipe close.
 """
 
 from __future__ import annotations
@@ -110,6 +114,7 @@ def launch(argv: list[str], cfg: Config) -> int:
             lk.release()
         raise
     work = Path(tempfile.mkdtemp(prefix="lowband-launch-"))
+    janitor = start_janitor(work)
     sigs = _Signals()
     sigs.install()
     try:
@@ -119,6 +124,39 @@ def launch(argv: list[str], cfg: Config) -> int:
         for lk in locks:
             lk.release()
         shutil.rmtree(work, ignore_errors=True)
+        stop_janitor(janitor)
+
+
+JANITOR_CODE = """import shutil, sys, time
+if sys.stdin.buffer.read() != b"done":  # the launcher died without removing its folder
+    for _ in range(2):  # again after its ranks (killed with it: PR_SET_PDEATHSIG) surely stopped writing
+        shutil.rmtree(sys.argv[1], ignore_errors=True)
+        time.sleep(5)
+"""
+
+
+def start_janitor(work: Path) -> subprocess.Popen | None:
+    """A process in its own session (a kill of the launcher's process group does not reach it) that removes
+    ``work`` when the launcher's end of its stdin pipe closes without the word ``done``: the launcher was killed
+    before its own ``finally`` ran. ``None`` if it could not start (the launcher still removes ``work`` on every
+    exit path it lives through)."""
+    try:
+        return subprocess.Popen([sys.executable, "-I", "-S", "-c", JANITOR_CODE, str(work)], stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    except OSError:
+        return None
+
+
+def stop_janitor(janitor: subprocess.Popen | None) -> None:
+    """Tell the janitor the folder is gone (it exits at once) and reap it."""
+    if janitor is None or janitor.stdin is None:
+        return
+    try:
+        janitor.stdin.write(b"done")
+        janitor.stdin.close()
+        janitor.wait(timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        janitor.kill()
 
 
 def _supervise(argv: list[str], cfg: Config, work: Path, sigs: _Signals) -> int:

@@ -78,6 +78,15 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
+def is_rank(pid: int) -> bool:
+    """``pid`` runs ``python -m lowband.train`` (a rank of the self-launcher, not its janitor)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"-m" in argv and b"lowband.train" in argv
+
+
 def alive(pid: int) -> bool:
     """``pid`` exists and is not a zombie."""
     try:

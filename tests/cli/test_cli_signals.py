@@ -20,6 +20,7 @@ from tests.cli.cli_util import (
     children_of,
     cli_args,
     cli_env,
+    is_rank,
     wait_for_line,
 )
 
@@ -36,7 +37,7 @@ def _start(cwd: Path, *overrides: str) -> tuple[subprocess.Popen, list[int]]:
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
-    ranks = children_of(proc.pid)
+    ranks = [p for p in children_of(proc.pid) if is_rank(p)]
     assert len(ranks) == 2, ranks
     return proc, ranks
 
@@ -90,11 +91,35 @@ def test_sigterm_of_the_launcher_is_forwarded(tiny: Path) -> None:
     _stopped_cleanly(tiny, proc, ranks, signal.SIGTERM)
 
 
+def _launch_folder(rank_pid: int) -> Path:
+    """The launcher's temporary folder, from a rank's environment (its FileStore rendezvous lives there)."""
+    env = dict(kv.split("=", 1) for kv in Path(f"/proc/{rank_pid}/environ").read_text().split("\0") if "=" in kv)
+    return Path(env["LOWBAND_INIT_METHOD"].removeprefix("file://")).parent
+
+
 def test_sigkill_of_the_launchers_process_group_leaves_no_rank(tiny: Path) -> None:
+    """Nor the launcher's temporary folder: its janitor (own session) removes it once the launcher is gone."""
     proc, ranks = _start(tiny)
+    work = _launch_folder(ranks[0])
+    assert work.is_dir() and work.name.startswith("lowband-launch-")
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     _assert_gone(ranks, PG_TIMEOUT_S)
+    deadline = time.monotonic() + 60
+    while work.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not work.exists(), f"{work} outlived the killed launcher"
+
+
+def test_a_clean_run_leaves_no_launch_folder_and_no_janitor(tiny: Path) -> None:
+    proc, ranks = _start(tiny, "--checkpoint.every=100000")
+    work = _launch_folder(ranks[0])
+    janitors = [p for p in children_of(proc.pid) if p not in ranks]
+    assert len(janitors) == 1, janitors
+    os.kill(proc.pid, signal.SIGTERM)
+    _stopped_cleanly(tiny, proc, ranks, signal.SIGTERM)
+    assert not work.exists()
+    _assert_gone(janitors, 10)  # told "done" and reaped by the launcher
 
 
 def test_a_rank_that_dies_is_named_first_then_its_peer(tiny: Path) -> None:
