@@ -806,6 +806,7 @@ class TrainCheckpointer:
                 "params": {k: [list(s), d] for k, (s, d) in self.strategy.param_shapes().items()},
                 "global_batch": cfg.data.batch_size * self.env.world_size, "world_size": self.env.world_size,
                 "torch": torch.__version__, "seed": cfg.run.seed, "settings": self.strategy.resume_settings(),
+                "notices": self.strategy.resume_notices(),
                 "data": {"source": cfg.data.source, "train_tokens": int(np.asarray(self.loader.tokens).size)}}
 
     def _state(self, rng_rank: int, trainer_blob: bytes = b"", rng_blob: bytes = b"",
@@ -986,6 +987,12 @@ class TrainCheckpointer:
         if changed and self.env.is_main:
             print(f"lowband.train: resumed with this run's optimizer settings, not the checkpoint's: "
                   f"{'; '.join(changed)} (the moments and step counts are the checkpoint's)", flush=True)
+        saved_notices = info.meta.get("notices")
+        noticed = [f"{k} {saved_notices[k]!r} -> {v!r}" for k, v in self.strategy.resume_notices().items()
+                   if isinstance(saved_notices, dict) and k in saved_notices and saved_notices[k] != v]
+        if noticed and self.env.is_main:
+            print(f"lowband.train: resumed with this run's settings, not the checkpoint's: {'; '.join(noticed)}",
+                  flush=True)
         loader_state = dict(trainer["loader"])
         if c.allow_data_change:  # the position carries over onto the new tokens
             loader_state.pop("n_tokens", None)

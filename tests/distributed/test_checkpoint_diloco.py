@@ -205,3 +205,26 @@ def test_diloco_outer_momentum_on_off_is_refused_by_name(shard: str, tmp_path: P
     on, off = ("'on'", "'off'") if before else ("'off'", "'on'")
     assert f"does not match this run: diloco.outer_momentum (in effect): checkpoint {on}, this run {off}" in out[0], \
         out[0]
+
+
+def _run_stdout(cfg: Config) -> str:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        _run(cfg)
+    return out.getvalue()
+
+
+def test_diloco_outer_hyperparameter_changes_are_announced(shard: str, tmp_path: Path) -> None:
+    """The checkpoint holds the outer momentum buffers, not the outer SGD's lr, momentum or Nesterov flag: a resume
+    trains with its own config's (as for the inner optimizer's lr) and rank 0 now says so, naming both values."""
+    cfg = diloco_config(shard, 2, steps=2, ckpt_dir=str(tmp_path), every=2)
+    run_ranks(_run, 2, cfg)
+    cfg.run.steps, cfg.diloco.outer_lr, cfg.diloco.outer_nesterov = 4, 0.5, False
+    out = run_ranks(_run_stdout, 2, cfg)
+    notice = [ln for ln in out[0].splitlines() if ln.startswith("lowband.train: resumed with this run's settings")]
+    assert notice == ["lowband.train: resumed with this run's settings, not the checkpoint's: diloco.outer_lr 0.7 -> "
+                      "0.5; diloco.outer_nesterov True -> False"], out[0]
+    assert "resumed with this run's settings" not in out[1]  # rank 0 alone

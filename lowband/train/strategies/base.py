@@ -228,6 +228,12 @@ class Strategy:
         refused naming the key). Default: none."""
         return {}
 
+    def resume_notices(self) -> dict[str, Any]:
+        """Config keys (dotted name -> value) recorded in the marker whose change a resume accepts: the run trains
+        with its own value, as its config says, and rank 0 prints one line naming each changed key with both
+        values (the optimizer's hyperparameters get the same treatment from the checkpointer). Default: none."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's view of the strategy state, as ``torch.distributed.checkpoint`` (DCP) saves it.
 

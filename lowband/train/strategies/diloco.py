@@ -516,6 +516,13 @@ class DilocoStrategy(Strategy):
                 "diloco.outer_momentum (in effect)": "on" if d.outer_momentum != 0 else "off",
                 **self.inner.resume_settings()}
 
+    def resume_notices(self) -> dict[str, Any]:
+        """The outer SGD's hyperparameters: the checkpoint holds none of them (only the momentum buffers), so a
+        resume applies this run's; a change is announced, not refused (as for the inner optimizer's lr)."""
+        d = self.cfg.diloco
+        return {"diloco.outer_lr": d.outer_lr, "diloco.outer_momentum": d.outer_momentum,
+                "diloco.outer_nesterov": d.outer_nesterov}
+
     def state_dict(self) -> dict[str, Any]:
         return self._ckpt_layout().state_dict()
 
