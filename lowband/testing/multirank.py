@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import math
 import multiprocessing
 import os
 import queue
@@ -38,6 +39,11 @@ READY_TIMEOUT_S = 600.0
 """How long a new pool's rank processes may take to start (spawn and import), outside any call's timeout."""
 MAX_STARTUP_RETRIES = 2
 """Fresh-process retries of a call whose process group could not be formed."""
+RENDEZVOUS_TIMEOUT_S = 60.0
+"""How long every rank of a call may take to form its process group (at most half the call's timeout; calls with a
+timeout under 20 s keep their plain timeout): gloo's full-mesh set-up under load sometimes logs "connection closed
+by peer" and then neither fails nor finishes; such a call is retried on fresh processes (a startup failure) instead
+of running into its timeout."""
 
 
 class DistributedTestError(AssertionError):
@@ -81,6 +87,7 @@ def _worker(rank: int, world_size: int, tasks: Any, results: Any) -> None:
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=pg_timeout_s))
             phase = "run"
+            results.put((call_id, rank, True, None, "joined"))
             try:
                 value = fn(*args, **kwargs)
             finally:
@@ -252,9 +259,12 @@ def _run_ranks_once(fn: Callable[..., Any], world_size: int, args: tuple, kwargs
     for q in pool.tasks:
         q.put((call_id, fn, args, kwargs, store_path, pg_timeout))
     results: dict[int, Any] = {}
+    joined: set[int] = set()
     failure: tuple[int, str] | None = None
     startup_failed = False
     deadline = time.monotonic() + timeout
+    join_window = min(RENDEZVOUS_TIMEOUT_S, timeout / 2) if timeout >= 20 else math.inf
+    join_deadline = time.monotonic() + join_window
     healthy = True
     try:
         while len(results) < world_size:
@@ -263,6 +273,11 @@ def _run_ranks_once(fn: Callable[..., Any], world_size: int, args: tuple, kwargs
                 # Give the other ranks a moment to fail on their own, then stop waiting.
                 remaining = min(remaining, 3.0)
             if remaining <= 0:
+                break
+            if failure is None and len(joined) < world_size and time.monotonic() > join_deadline:
+                missing = sorted(set(range(world_size)) - joined)
+                failure = (missing[0], f"ranks {missing} did not form the process group within {join_window:.0f}s")
+                startup_failed = True
                 break
             try:
                 cid, rank, ok, value, phase = pool.results.get(timeout=min(remaining, 1.0))
@@ -275,6 +290,11 @@ def _run_ranks_once(fn: Callable[..., Any], world_size: int, args: tuple, kwargs
                 continue
             if cid != call_id:
                 continue
+            if phase == "joined":
+                joined.add(rank)
+                continue
+            if phase == "init":  # failed while joining: counts as joined for the rendezvous deadline
+                joined.add(rank)
             if ok:
                 results[rank] = value
             else:

@@ -281,6 +281,23 @@ def test_harness_reports_failing_rank() -> None:
         assert _POOLS.get(2) is pool and pool.alive()
 
 
+def test_a_rendezvous_that_does_not_finish_is_retried_on_fresh_processes(monkeypatch) -> None:
+    """gloo's full-mesh set-up under load can log "connection closed by peer" and then hang without failing: a
+    call whose ranks have not all formed the process group within the rendezvous window is a startup failure,
+    retried on fresh processes, not a 120 s timeout. A window of 0 makes every attempt one."""
+    from lowband.testing import multirank
+
+    monkeypatch.setattr(multirank, "RENDEZVOUS_TIMEOUT_S", 0.0)
+    retries = multirank.STARTUP_RETRIES[0]
+    with pytest.raises(DistributedTestError, match=r"failed on rank 0 of 1:\nranks \[0\] did not form the "
+                                                   r"process group within 0s"):
+        run_ranks(_rank, 1, timeout=30)
+    assert multirank.STARTUP_RETRIES[0] - retries == multirank.MAX_STARTUP_RETRIES
+    assert 1 not in multirank._POOLS  # a failed start takes its pool down
+    monkeypatch.undo()
+    assert run_ranks(_rank, 1) == [0]
+
+
 def _sleep_forever() -> None:
     import time
     time.sleep(60)
