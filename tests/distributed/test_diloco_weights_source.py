@@ -37,12 +37,16 @@ def _flat(model: nn.Module) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------- one process
+def _built() -> tuple[nn.Module, torch.optim.Optimizer, StreamingDiLoCo]:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    return model, opt, StreamingDiLoCo(model, opt, sync_every=2)
+
+
 def test_model_loaded_after_building_is_refused_at_the_next_step() -> None:
     """Pretrained weights loaded after StreamingDiLoCo was built: the global copies are the built weights, so the
     first sync applied (pretrained - built) as a pseudo-gradient; now the next inner step raises."""
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    dl = StreamingDiLoCo(model, opt, sync_every=2)
+    model, opt, dl = _built()
     model.load_state_dict(_model(seed=1).state_dict())
     with pytest.raises(ValueError, match=r"model.load_state_dict\(\) was called after StreamingDiLoCo was built, "
                                          r"but DiLoCo's own state was not loaded"):
@@ -52,9 +56,7 @@ def test_model_loaded_after_building_is_refused_at_the_next_step() -> None:
 
 def test_an_in_place_load_before_the_first_step_is_refused() -> None:
     """dcp.load into model.state_dict() writes in place (no load_state_dict call): seen by the version counters."""
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    dl = StreamingDiLoCo(model, opt, sync_every=2)
+    model, opt, dl = _built()
     with torch.no_grad():
         for p, q in zip(model.parameters(), _model(seed=1).parameters(), strict=True):
             p.copy_(q)
@@ -67,9 +69,7 @@ def test_an_in_place_load_before_the_first_step_is_refused() -> None:
 
 
 def test_a_model_only_reload_mid_run_is_refused() -> None:
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    dl = StreamingDiLoCo(model, opt, sync_every=2)
+    model, opt, dl = _built()
     for s in range(3):
         _step(model, opt, 0, s)
     saved = {k: v.clone() for k, v in model.state_dict().items()}
@@ -212,3 +212,20 @@ def test_two_replicas_resumed_rightly_match_the_uninterrupted_run(tmp_path) -> N
         for r in range(2):
             assert isinstance(got[r], torch.Tensor), got[r]
             assert torch.equal(got[r], want[r]), (mode, r)
+
+
+def test_a_copy_of_the_model_carries_no_live_marker() -> None:
+    """The load marker is a hook on the model: a deepcopy (an export's unsharded copy) or a pickle of the model must
+    not carry StreamingDiLoCo along (its in-flight work handles cannot be copied), and loading into the copy must
+    not mark the live run."""
+    import copy
+    import pickle
+
+    model, opt, dl = _built()
+    _step(model, opt, 0, 0)
+    twin = copy.deepcopy(model)
+    twin.load_state_dict(_model(seed=1).state_dict())
+    pickle.loads(pickle.dumps(model)).load_state_dict(_model(seed=2).state_dict())
+    _step(model, opt, 0, 1)  # not refused: the live model was not loaded
+    assert dl.committed == 1
+    dl.close()
