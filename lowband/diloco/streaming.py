@@ -163,7 +163,10 @@ class StreamingDiLoCo:
         model: the replica's model, weights initialised or pretrained weights loaded (the global copies are
             taken now; weights loaded later without :meth:`load_state_dict` are refused at the next step).
         inner_optimizer: the model's optimizer; a step post-hook is registered on it.
-        comm: the cross-replica group (same dp rank in every replica); ``None`` = a 1-rank Comm.
+        comm: the cross-replica group (the ranks at the same dp and GTP position in every replica:
+            ``replica_mesh(...).replica``); ``None`` = the default process group (every rank its own
+            replica; one replica without ``torch.distributed``). A group holding two ranks of one GTP group
+            (they hold different row shards of a weight) is refused.
         sync_every: H, inner steps between two syncs of the same fragment.
         fragments: number of fragments (consecutive split of the units: the plan's ``fragment_units``
             when the model has a plan, else the default rule) or a list of modules / parameter lists
@@ -257,6 +260,7 @@ class StreamingDiLoCo:
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.comm = (comm if comm is not None else Comm(name="replica")).private("diloco")
+        self._refuse_replicas_inside_gtp()
         self.membership = membership if membership is not None else StaticMembership(self.comm)
         self.backup_device = torch.device(backup_device)
         self.buffer_dtypes = [torch.float64 if any(p.dtype == torch.float64 for p in f.params)
@@ -341,7 +345,12 @@ class StreamingDiLoCo:
         self.state_layout: Any = None
         """Maps a parameter's local tensors to their logical checkpoint form and back (``to_logical(name, t)``,
         ``to_local(name, t)``, ``weights``: the sharded names), when parameters are shards (GTP inside a
-        replica: :class:`lowband.diloco.state.GTPShardLayout`); ``None`` = parameters are whole."""
+        replica: :class:`lowband.diloco.state.GTPShardLayout`, set here when a fragment holds a GTP shard);
+        ``None`` = parameters are whole."""
+        if any(getattr(p, "gtp", None) is not None for f in self.frags for p in f.params):
+            from lowband.diloco.state import GTPShardLayout
+
+            self.state_layout = GTPShardLayout(model)  # state_dict() then saves whole weights, not shards
         self._frag_ids = {id(p) for f in self.frags for p in f.params}
         self.check_trainable()
         self.membership.attach(self)
@@ -355,6 +364,28 @@ class StreamingDiLoCo:
         self._hooks = [inner_optimizer.register_step_post_hook(self._post_step),
                        inner_optimizer.register_step_pre_hook(lambda *_: self._pre_step()),
                        model.register_load_state_dict_post_hook(_ModelLoadMarker(self))]
+
+    def _refuse_replicas_inside_gtp(self) -> None:
+        """Raise ``ValueError`` when the cross-replica group holds two ranks of the GTP group of a fragment
+        parameter: those ranks hold different row shards of the weight, so init_sync would copy one's rows over
+        the other's and every sync would average different rows (silently: the shards' shapes agree). Local,
+        before any collective."""
+        replicas = {self.comm.global_rank(i) for i in range(self.comm.size)}
+        seen: set[int] = set()
+        for f in self.frags:
+            for name, p in zip(f.names, f.params, strict=True):
+                gw = getattr(p, "gtp", None)
+                if gw is None or id(gw.runtime) in seen:
+                    continue
+                seen.add(id(gw.runtime))
+                group = gw.runtime.comm
+                shared = sorted(replicas & {group.global_rank(i) for i in range(group.size)})
+                if len(shared) > 1:
+                    raise ValueError(
+                        f"diloco: the cross-replica group {self.comm.name!r} holds ranks {shared} of the GTP group of "
+                        f"{name!r} (comm=None is every rank): they hold different row shards of it, so the replicas "
+                        "would average different rows. Pass comm= the ranks at the same GTP position in every "
+                        "replica (lowband.parallel.build_mesh(replica=R, gtp=G).replica)")
 
     # ------------------------------------------------------------------------------ properties
     @property

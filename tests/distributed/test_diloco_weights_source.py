@@ -229,3 +229,36 @@ def test_a_copy_of_the_model_carries_no_live_marker() -> None:
     _step(model, opt, 0, 1)  # not refused: the live model was not loaded
     assert dl.committed == 1
     dl.close()
+
+
+# ---------------------------------------------------------------------------------------- GTP inside, user script
+def _gtp_inside_worker(comm_kind: str) -> object:
+    """One replica of GTP 2 (both ranks): ``comm=None`` made the whole world the replica group, so init_sync copied
+    rank 0's row shards over rank 1's and the syncs averaged different rows (weights 0.6 off after one step, no
+    error); now refused on both ranks. With the replica axis of the mesh, ``state_dict()`` holds whole weights
+    (the shards were saved under the weights' names before: a (3, 4) 'global.0.weight' of a (6, 4) weight)."""
+    from lowband.parallel import build_mesh
+    from lowband.parallel.gtp import GTPRuntime, shard_linears
+
+    mesh = build_mesh(gtp=2)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6, dtype=torch.float64), nn.Tanh(), nn.Linear(6, 5, dtype=torch.float64))
+    shard_linears(model, GTPRuntime(mesh.gtp))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    try:
+        dl = StreamingDiLoCo(model, opt, comm=None if comm_kind == "none" else mesh.replica, sync_every=2)
+    except ValueError as e:
+        return str(e)
+    shapes = {k: tuple(v.shape) for k, v in dl.state_dict().items() if k.startswith("global.")}
+    dl.close()
+    return shapes
+
+
+def test_gtp_inside_a_replica_needs_the_replica_group() -> None:
+    refused = run_ranks(_gtp_inside_worker, 2, "none")
+    assert refused[0] == refused[1]
+    assert refused[0].startswith("diloco: the cross-replica group 'replica' holds ranks [0, 1] of the GTP group of "
+                                 "'0.weight' (comm=None is every rank)"), refused[0]
+    shapes = run_ranks(_gtp_inside_worker, 2, "mesh")
+    assert shapes[0] == shapes[1] == {"global.0.weight": (6, 4), "global.0.bias": (6,), "global.2.weight": (5, 6),
+                                      "global.2.bias": (5,)}
