@@ -102,6 +102,22 @@ def _bucket_bounds(numel: int, cap_elems: int | None, breaks: Sequence[int] = ()
     return out
 
 
+def whole_first(frag: Fragment) -> list[int]:
+    """Reorder ``frag`` in place, its whole parameters first, then its GTP row shards, and return the bucket break
+    between them (``[]`` when it holds one kind only). A block or top-k codec encodes each bucket alone, so the
+    whole parameters, identical on every rank of a replica, then get identical averaged values on every rank
+    whatever the row shards next to them hold; mixed in one block they took that block's rank-dependent scale and
+    drifted apart inside the replica. (The trainer orders its fragments so and passes the breaks itself.)"""
+    shard = [getattr(p, "gtp", None) is not None for p in frag.params]
+    if all(shard) or not any(shard):
+        return []
+    whole = sum(p.numel() for p, s in zip(frag.params, shard, strict=True) if not s)
+    order = [j for j, s in enumerate(shard) if not s] + [j for j, s in enumerate(shard) if s]
+    frag.params[:] = [frag.params[j] for j in order]
+    frag.names[:] = [frag.names[j] for j in order]
+    return [whole]
+
+
 def outer_settings(outers: Iterable[torch.optim.Optimizer]) -> list[tuple[str, list[dict[str, object]]]]:
     """Per fragment: the outer optimizer's class and each param group's hyperparameters (one-element tensors as
     floats, tuples as lists), what every replica must share (taken at construction: a schedule the user attaches
@@ -193,6 +209,8 @@ class StreamingDiLoCo:
             end (before the cap applies). Each bucket is encoded on its own, so a block or top-k codec
             never mixes the values on either side: parameters identical on every rank of a replica
             (replicated next to GTP row shards) then get the same averaged values on every rank.
+            ``None`` with a lossy wire: a fragment holding both GTP row shards and whole parameters is reordered
+            whole parameters first, with a break before the shards (:func:`whole_first`).
         backup_device: where global copies, outer state and residuals live (default CPU).
         init_sync: how replicas start equal (models seeded per rank, nanoGPT style, start different):
             ``True`` / ``"broadcast"`` (default) broadcast every parameter (frozen ones too) and every
@@ -282,6 +300,10 @@ class StreamingDiLoCo:
         if bucket_breaks is not None and len(bucket_breaks) != n:
             raise ValueError(f"diloco bucket_breaks: got {len(bucket_breaks)} lists, expected one per fragment ({n})")
         self.bucket_breaks: list[list[int]] = [sorted(int(b) for b in bs) for bs in bucket_breaks or [[]] * n]
+        if bucket_breaks is None:  # GTP inside, lossy wire: the whole parameters are encoded apart from the shards
+            for i, f in enumerate(self.frags):
+                if not is_lossless(self.codec, self.buffer_dtypes[i]):
+                    self.bucket_breaks[i] = whole_first(f)
 
         # ---- cross-replica checks and initial sync (collectives, every rank alike)
         # what every replica must share, by name: checked here across the static replicas, and by a membership

@@ -262,3 +262,48 @@ def test_gtp_inside_a_replica_needs_the_replica_group() -> None:
     shapes = run_ranks(_gtp_inside_worker, 2, "mesh")
     assert shapes[0] == shapes[1] == {"global.0.weight": (6, 4), "global.0.bias": (6,), "global.2.weight": (5, 6),
                                       "global.2.bias": (5,)}
+
+
+def _gtp_lossy_worker(fix: bool) -> dict:
+    """2 replicas x GTP 2, int8 wire (block 8), per-rank data: after two syncs, the whole (replicated) parameters must
+    be bitwise equal on both GTP ranks of a replica. ``fix=False`` passes the user's model-order split with an empty
+    break list (what a script got before: one bucket mixing whole parameters with the rank's row shards)."""
+    from lowband.parallel import build_mesh
+    from lowband.parallel.gtp import GTPRuntime, shard_linears
+
+    mesh = build_mesh(replica=2, gtp=2)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6, dtype=torch.float64), nn.LayerNorm(6, dtype=torch.float64),
+                          nn.Linear(6, 5, dtype=torch.float64))
+    shard_linears(model, GTPRuntime(mesh.gtp))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    dl = StreamingDiLoCo(model, opt, comm=mesh.replica, sync_every=2, wire="int8", block_size=8,
+                         bucket_breaks=None if fix else [[]])
+    order = list(dl.frags[0].names)
+    for s in range(4):
+        _step_gtp(model, opt, dist.get_rank(), s)
+    whole = {n: p.detach().clone() for n, p in model.named_parameters() if getattr(p, "gtp", None) is None}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, whole)
+    dl.close()
+    gtp_peer = everyone[dist.get_rank() ^ 1]  # the other GTP rank of this replica (replica-major, gtp innermost)
+    return {"order": order, "breaks": dl.bucket_breaks, "committed": dl.committed,
+            "same": all(torch.equal(whole[n], gtp_peer[n]) for n in whole)}
+
+
+def _step_gtp(model: nn.Module, opt: torch.optim.Optimizer, rank: int, step: int) -> None:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x, y = torch.randn(5, 4, generator=g, dtype=torch.float64), torch.randn(5, 5, generator=g, dtype=torch.float64)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def test_gtp_inside_with_a_lossy_wire_keeps_whole_parameters_equal_in_a_replica() -> None:
+    res = run_ranks(_gtp_lossy_worker, 4, True)
+    for r in res:
+        assert r["committed"] == 2 and r["same"], r
+        assert r["order"] == ["0.bias", "1.weight", "1.bias", "2.bias", "0.weight", "2.weight"], r["order"]
+        assert r["breaks"] == [[6 + 6 + 6 + 5]], r["breaks"]
+    unfixed = run_ranks(_gtp_lossy_worker, 4, False)
+    assert not all(r["same"] for r in unfixed)  # the control: mixed with the shards, they drift apart
