@@ -24,9 +24,10 @@ def _model(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(3, 4, dtype=torch.float64), nn.Tanh(), nn.Linear(4, 2, dtype=torch.float64))
 
 
-def _step(model: nn.Module, opt: torch.optim.Optimizer, replica: int, step: int) -> None:
+def _step(model: nn.Module, opt: torch.optim.Optimizer, replica: int, step: int, io: tuple[int, int] = (3, 2)) -> None:
     g = torch.Generator().manual_seed(1000 * replica + step)
-    x, y = torch.randn(5, 3, generator=g, dtype=torch.float64), torch.randn(5, 2, generator=g, dtype=torch.float64)
+    x = torch.randn(5, io[0], generator=g, dtype=torch.float64)
+    y = torch.randn(5, io[1], generator=g, dtype=torch.float64)
     opt.zero_grad()
     nn.functional.mse_loss(model(x), y).backward()
     opt.step()
@@ -281,7 +282,7 @@ def _gtp_lossy_worker(fix: bool) -> dict:
                          bucket_breaks=None if fix else [[]])
     order = list(dl.frags[0].names)
     for s in range(4):
-        _step_gtp(model, opt, dist.get_rank(), s)
+        _step(model, opt, dist.get_rank(), s, io=(4, 5))
     whole = {n: p.detach().clone() for n, p in model.named_parameters() if getattr(p, "gtp", None) is None}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, whole)
@@ -289,14 +290,6 @@ def _gtp_lossy_worker(fix: bool) -> dict:
     gtp_peer = everyone[dist.get_rank() ^ 1]  # the other GTP rank of this replica (replica-major, gtp innermost)
     return {"order": order, "breaks": dl.bucket_breaks, "committed": dl.committed,
             "same": all(torch.equal(whole[n], gtp_peer[n]) for n in whole)}
-
-
-def _step_gtp(model: nn.Module, opt: torch.optim.Optimizer, rank: int, step: int) -> None:
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    x, y = torch.randn(5, 4, generator=g, dtype=torch.float64), torch.randn(5, 5, generator=g, dtype=torch.float64)
-    opt.zero_grad()
-    nn.functional.mse_loss(model(x), y).backward()
-    opt.step()
 
 
 def test_gtp_inside_with_a_lossy_wire_keeps_whole_parameters_equal_in_a_replica() -> None:
