@@ -76,6 +76,7 @@ from lowband.diloco.outer import (
     pseudo_gradient_into,
 )
 from lowband.diloco.schedule import PREPARE, SYNC, ScheduleConfig, actions_at, fragment_for
+from lowband.parallel.gtp import is_gtp_param
 from lowband.plan import ModelPlan
 
 INIT_SYNC = (True, False, "broadcast", "verify")
@@ -107,8 +108,8 @@ def whole_first(frag: Fragment) -> list[int]:
     between them (``[]`` when it holds one kind only). A block or top-k codec encodes each bucket alone, so the
     whole parameters, identical on every rank of a replica, then get identical averaged values on every rank
     whatever the row shards next to them hold; mixed in one block they took that block's rank-dependent scale and
-    drifted apart inside the replica. (The trainer orders its fragments so and passes the breaks itself.)"""
-    shard = [getattr(p, "gtp", None) is not None for p in frag.params]
+    drifted apart inside the replica. (The trainer's ``diloco`` strategy calls it for every wire.)"""
+    shard = [is_gtp_param(p) for p in frag.params]
     if all(shard) or not any(shard):
         return []
     whole = sum(p.numel() for p, s in zip(frag.params, shard, strict=True) if not s)
@@ -369,7 +370,7 @@ class StreamingDiLoCo:
         ``to_local(name, t)``, ``weights``: the sharded names), when parameters are shards (GTP inside a
         replica: :class:`lowband.diloco.state.GTPShardLayout`, set here when a fragment holds a GTP shard);
         ``None`` = parameters are whole."""
-        if any(getattr(p, "gtp", None) is not None for f in self.frags for p in f.params):
+        if any(is_gtp_param(p) for f in self.frags for p in f.params):
             from lowband.diloco.state import GTPShardLayout
 
             self.state_layout = GTPShardLayout(model)  # state_dict() then saves whole weights, not shards

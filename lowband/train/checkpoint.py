@@ -987,9 +987,10 @@ class TrainCheckpointer:
         if changed and self.env.is_main:
             print(f"lowband.train: resumed with this run's optimizer settings, not the checkpoint's: "
                   f"{'; '.join(changed)} (the moments and step counts are the checkpoint's)", flush=True)
-        saved_notices = info.meta.get("notices")
+        saved_notices = info.meta.get("notices")  # markers written before notices were recorded have none
+        saved_notices = saved_notices if isinstance(saved_notices, dict) else {}
         noticed = [f"{k} {saved_notices[k]!r} -> {v!r}" for k, v in self.strategy.resume_notices().items()
-                   if isinstance(saved_notices, dict) and k in saved_notices and saved_notices[k] != v]
+                   if k in saved_notices and saved_notices[k] != v]
         if noticed and self.env.is_main:
             print(f"lowband.train: resumed with this run's settings, not the checkpoint's: {'; '.join(noticed)}",
                   flush=True)

@@ -61,9 +61,11 @@ from torch import nn
 from lowband.comm.codecs import WIRE_CODECS, check_wire
 from lowband.comm.compress import check_block_size, check_topk, default_error_feedback
 from lowband.diloco import StreamingDiLoCo, outer_sgd, split_fragments
+from lowband.diloco.fragments import Fragment
 from lowband.diloco.outer import check_alpha, check_ef_decay, check_outer_sgd
 from lowband.diloco.schedule import validate_schedule
 from lowband.diloco.state import GTPShardLayout
+from lowband.diloco.streaming import whole_first
 from lowband.parallel.mesh import build_mesh
 from lowband.train.errors import ConfigError
 from lowband.train.strategies import get_strategy_class, register_strategy
@@ -317,13 +319,13 @@ class DilocoStrategy(Strategy):
         params = dict(inner.unwrapped().named_parameters())
         shards = GTPShardLayout(inner.unwrapped())
         # GTP inside: each fragment lists its whole (replicated) parameters first, then its row shards, with
-        # a bucket break between them: the replicated values are then encoded alone, identically on every
-        # rank of the replica, and stay identical there under block / top-k codecs
+        # a bucket break between them (whole_first, for every wire): the replicated values are then encoded
+        # alone, identically on every rank of the replica, and stay identical there under block / top-k codecs
         fragments, breaks = [], []
-        for names in frag_names:
-            whole = [n for n in names if n not in shards.weights]
-            fragments.append([params[n] for n in whole + [n for n in names if n in shards.weights]])
-            breaks.append([sum(params[n].numel() for n in whole)])
+        for i, names in enumerate(frag_names):
+            frag = Fragment(i, list(names), [params[n] for n in names])
+            breaks.append(whole_first(frag))
+            fragments.append(frag.params)
 
         membership = self._ft_membership(inner) if self.cfg.ft.enabled else None
         self.diloco = StreamingDiLoCo(inner.unwrapped(), self.optimizer, comm=self.mesh.replica,
