@@ -204,6 +204,15 @@ def logical_boxes(placement: Placement) -> list[tuple[tuple[int, ...], tuple[int
     return boxes
 
 
+def padding_mask(placement: Placement) -> torch.Tensor | None:
+    """A boolean tensor of the local shape, ``True`` at this rank's padding elements (held, but outside the
+    logical tensor: GTP's pad rows); ``None`` when every local element is real. No communication."""
+    real = torch.zeros(placement.local_shape(), dtype=torch.bool)
+    for _, loc, sizes in logical_boxes(placement):
+        real[tuple(slice(c, c + n) for c, n in zip(loc, sizes, strict=True))] = True
+    return None if bool(real.all()) else ~real
+
+
 def _local_view(placement: Placement, local: torch.Tensor, what: str) -> torch.Tensor:
     shape = placement.local_shape()
     if local.numel() != torch.Size(shape).numel():

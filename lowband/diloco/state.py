@@ -14,8 +14,13 @@ world size (``<fqn>`` = the parameter's first name in the model; tied parameters
                                   the in-flight averaged pseudo-gradient (zeros outside the in-flight fragment)
     residual.<fqn>                error feedback: this replica's residual of the parameter     (per replica)
     inflight_residual.<fqn>       error feedback: the residual an in-flight sync leaves        (per replica)
-    residual_owner                error feedback, logical form: the replica index whose residuals these are
-                                  (per replica; a row loaded on another replica is refused)
+    weights_digest.<fqn>          logical form, replica-major layout: digests of the rows of this replica's
+                                  weights when it saved (:func:`lowband.diloco.row_digest.row_digests` of
+                                  the whole parameter; per replica); the first inner step after loading
+                                  refuses weights whose rows differ (a model file of another replica or step)
+    saved_by_replica              logical form, replica-major layout: the index of the replica that saved it
+                                  (per replica; a row loaded on another replica is refused: replicas differ
+                                  between syncs. Files of the previous version name it ``residual_owner``)
 
 Everything but the ``residual`` families is identical on every replica (every replica applies the
 same averaged pseudo-gradient). The residuals are private to a replica (identical on ranks holding the
@@ -85,6 +90,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lowband.dcp_chunks import LocalChunks, lift_chunks, lower_chunks, whole_or_chunks
+from lowband.diloco.row_digest import row_digests
 from lowband.optim.sharded_state import group_hyperparams
 from lowband.parallel.gtp import GTPWeight, is_gtp_param
 from lowband.parallel.gtp_state import gather_logical
@@ -394,9 +400,14 @@ def _logical_state_dict(dl: StreamingDiLoCo) -> dict[str, Any]:
                 out[f"residual.{name}"] = per_replica(_logical(dl, name, r), layout[0], layout[1], dl.dcp_meshes)
                 out[f"inflight_residual.{name}"] = per_replica(_logical(dl, name, q), layout[0], layout[1],
                                                                dl.dcp_meshes)
-    if layout is not None:  # torch.save keeps only the saving rank's DTensor row: name whose it is
-        out["residual_owner"] = per_replica(torch.tensor(layout[2], dtype=torch.int64, device=dl.backup_device),
-                                            layout[0], layout[1], dl.dcp_meshes)
+    owner = layout if layout is not None else replica_layout(dl.comm)
+    if owner is not None:  # torch.save keeps only the saving rank's DTensor row: name whose it is
+        out["saved_by_replica"] = per_replica(torch.tensor(owner[2], dtype=torch.int64, device=dl.backup_device),
+                                              owner[0], owner[1], dl.dcp_meshes)
+        for frag in dl.frags:  # which weights this state goes with (checked at the first step after a load)
+            for name, p in zip(frag.names, frag.params, strict=True):
+                digests = row_digests(_logical(dl, name, p.detach())).to(dl.backup_device)
+                out[f"weights_digest.{name}"] = per_replica(digests, owner[0], owner[1], dl.dcp_meshes)
     return out
 
 
@@ -411,23 +422,26 @@ def load_diloco_state_dict(dl: StreamingDiLoCo, state: dict[str, Any]) -> None:
                              "fragments, outer optimizer or error-feedback settings)")
         return state[key]
 
-    replica = None
-    if dl.error_feedback:
-        layout = replica_layout(dl.comm)
-        replica = None if layout is None else layout[2]
+    layout = replica_layout(dl.comm)
+    replica = None if layout is None else layout[2]
 
     def local(name: str, v: Any) -> torch.Tensor:
         return _from_saved(dl, name, v)
 
-    if replica is not None and "residual_owner" in state:
-        owner = int(torch.as_tensor(_replica_row(state["residual_owner"], replica)).reshape(-1)[0])
+    saved_by = state.get("saved_by_replica", state.get("residual_owner"))  # the previous version's name
+    if replica is not None and saved_by is not None:
+        owner = int(torch.as_tensor(_replica_row(saved_by, replica)).reshape(-1)[0])
         if owner != replica:
+            own = "inner optimizer state and error-feedback residuals" if dl.error_feedback else "inner optimizer state"
             raise ValueError(
-                f"diloco load_state_dict: the error-feedback residuals in this state are replica {owner}'s, and "
-                f"this is replica {replica}: a residual is private to its replica (a state_dict() saved by one rank "
-                "and loaded on every replica). Save and load each replica's own state (torch.save per rank, or "
-                "torch.distributed.checkpoint / lowband.diloco.DilocoCheckpoint, which keep every replica's row)")
+                f"diloco load_state_dict: this state was saved by replica {owner}, and this is replica {replica} "
+                "(a state_dict() saved by one rank and loaded on every replica): replicas differ between syncs "
+                f"(weights, {own}), so loading another replica's state drops this replica's own work. Save and "
+                "load each replica's own state (torch.save per rank, or torch.distributed.checkpoint / "
+                "lowband.diloco.DilocoCheckpoint, which keep every replica's row)")
 
+    digests = {name: torch.as_tensor(_replica_row(state[f"weights_digest.{name}"], replica)).reshape(-1).cpu()
+               for frag in dl.frags for name in frag.names if f"weights_digest.{name}" in state}
     for i, (frag, gs, outer) in enumerate(zip(dl.frags, dl.globals, dl.outer, strict=True)):
         for name, g in zip(frag.names, gs, strict=True):
             g.copy_(local(name, get(f"global.{name}")))
@@ -468,6 +482,7 @@ def load_diloco_state_dict(dl: StreamingDiLoCo, state: dict[str, Any]) -> None:
             flat = _local_flat(dl, frag_i, flat)
         dl._inflight = _InFlight(frag_i, flat.to(device=device, dtype=dl.buffer_dtypes[frag_i]), [], pending,
                                  bool(torch.isfinite(flat).all()))
+    dl._saved_digests = digests or None
 
 
 # ------------------------------------------------------------------------------ DCP checkpoint

@@ -47,7 +47,11 @@ when the model is on CUDA), one outer optimizer over those copies (so its state,
 lives there too) and, with error feedback, the residual (one flat buffer in the pseudo-gradient's
 dtype, on ``backup_device``); the counters ``committed`` and ``local_step``. The inner optimizer and
 the model are never replaced; the model's weights are written in place at each sync. The one state
-format is :meth:`StreamingDiLoCo.state_dict` (:mod:`lowband.diloco.state`), DCP-ready.
+format is :meth:`StreamingDiLoCo.state_dict` (:mod:`lowband.diloco.state`), DCP-ready. A sharded
+parameter's padding (GTP's pad rows: part of the flat buffer, not of the weight) is zero in the averaged
+pseudo-gradient and the residual after every sync (a mid-rise codec decodes a sent zero as +-scale/2), so
+the global copies, outer momentum and weights keep it zero and a checkpoint, which holds real rows only,
+resumes bit for bit.
 """
 
 from __future__ import annotations
@@ -75,9 +79,11 @@ from lowband.diloco.outer import (
     outer_step,
     pseudo_gradient_into,
 )
+from lowband.diloco.row_digest import row_digests
 from lowband.diloco.schedule import PREPARE, SYNC, ScheduleConfig, actions_at, fragment_for
 from lowband.parallel.gtp import is_gtp_param
 from lowband.plan import ModelPlan
+from lowband.sharding import padding_mask, placement_of
 
 INIT_SYNC = (True, False, "broadcast", "verify")
 
@@ -117,6 +123,20 @@ def whole_first(frag: Fragment) -> list[int]:
     frag.params[:] = [frag.params[j] for j in order]
     frag.names[:] = [frag.names[j] for j in order]
     return [whole]
+
+
+def padding_index(params: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """Positions, in the flat concatenation of ``params``, of their padding elements (a sharded parameter's
+    elements outside its logical tensor: :func:`lowband.sharding.padding_mask`), as an int64 tensor; ``None``
+    when there are none. No communication."""
+    found, off = [], 0
+    for p in params:
+        pl = placement_of(p)
+        mask = padding_mask(pl) if pl is not None else None
+        if mask is not None:
+            found.append(mask.reshape(-1).nonzero().squeeze(1) + off)
+        off += p.numel()
+    return torch.cat(found) if found else None
 
 
 def outer_settings(outers: Iterable[torch.optim.Optimizer]) -> list[tuple[str, list[dict[str, object]]]]:
@@ -305,6 +325,7 @@ class StreamingDiLoCo:
             for i, f in enumerate(self.frags):
                 if not is_lossless(self.codec, self.buffer_dtypes[i]):
                     self.bucket_breaks[i] = whole_first(f)
+        self._padding: list[torch.Tensor | None] = [padding_index(f.params) for f in self.frags]
 
         # ---- cross-replica checks and initial sync (collectives, every rank alike)
         # what every replica must share, by name: checked here across the static replicas, and by a membership
@@ -384,6 +405,7 @@ class StreamingDiLoCo:
         self._model_loaded = False
         self._written_before_paused = False  # fragment weights written before a paused() step, none unpaused yet
         self._state_loaded: tuple[int, int] | None = None  # (committed, local_step) of a loaded state
+        self._saved_digests: dict[str, torch.Tensor] | None = None  # its weights' row digests (logical form)
         self._hooks = [inner_optimizer.register_step_post_hook(self._post_step),
                        inner_optimizer.register_step_pre_hook(lambda *_: self._pre_step()),
                        model.register_load_state_dict_post_hook(_ModelLoadMarker(self))]
@@ -493,9 +515,40 @@ class StreamingDiLoCo:
                 "replica holds replica 0's weights (a model loaded before building is overwritten by init_sync), "
                 "so each replica's own progress is lost. Load each replica's model after building StreamingDiLoCo, "
                 "or build it with init_sync=False when every replica loads its own weights first")
+        if self._state_loaded is not None and self._saved_digests is not None:
+            self._check_saved_digests(self._saved_digests)
         self._model_loaded = self._written_before_paused = False
-        self._state_loaded = None
+        self._state_loaded = self._saved_digests = None
         self._stepped = True
+
+    def _check_saved_digests(self, saved: dict[str, torch.Tensor]) -> None:
+        """Refuse fragment weights whose rows are not the ones this replica held when the loaded state was saved
+        (:func:`lowband.diloco.row_digest.row_digests`; a GTP shard compares its real rows against their slice of
+        the whole weight's digests; local, no communication)."""
+        lay = self.state_layout
+        differ = []
+        for f in self.frags:
+            for name, p in zip(f.names, f.params, strict=True):
+                want = saved.get(name)
+                if want is None:
+                    continue
+                gw = None if lay is None else lay.weights.get(name)
+                if gw is None:
+                    mine = row_digests(p.detach()).cpu()
+                else:  # this rank's real rows of the padded shard, and where they sit in the whole weight
+                    first = gw.runtime.rank * gw.shard_rows
+                    real = max(0, min(gw.shard_rows, gw.out_features - first))
+                    mine, want = row_digests(p.detach()[:real]).cpu(), want[first:first + real]
+                if not torch.equal(mine, want):
+                    differ.append(name)
+        if differ:
+            raise ValueError(
+                f"diloco: the weights of {differ[:5]} ({len(differ)} of the fragment parameters) are not the ones "
+                "this replica held when the loaded DiLoCo state was saved: a model file of another replica (rank "
+                "0's torch.save loaded on every replica, or torch.distributed.checkpoint of model.state_dict() on "
+                "several replicas, which keeps one replica's copy under each name) or of another step. Save and "
+                "load each replica's own model together with its DiLoCo state (torch.save per rank, or "
+                "lowband.diloco.DilocoCheckpoint)")
 
     def _post_step(self, _opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         if self._paused:
@@ -583,6 +636,12 @@ class StreamingDiLoCo:
             raise RuntimeError(f"diloco: sync of fragment {i} without a matching prepare")
         self._wait_inflight()
         self._inflight = None
+        pad = self._padding[i]
+        if pad is not None:  # padding is no weight: keep it zero in everything the sync writes
+            pad = pad.to(inflight.flat.device)
+            inflight.flat.index_fill_(0, pad, 0)
+            if inflight.residual is not None:
+                inflight.residual.index_fill_(0, pad.to(inflight.residual.device), 0)
         self.check_trainable()  # a parameter frozen between the prepare and now
         if not all_finite(inflight.flat):  # the same bits on every replica: all raise
             own = "finite" if inflight.own_finite else "NOT finite"
@@ -612,8 +671,9 @@ class StreamingDiLoCo:
         """This replica's DiLoCo state in the one documented format (:mod:`lowband.diloco.state`).
 
         Keys never depend on the rank or the world size; an in-flight fragment is waited for (a
-        collective completion: call on every replica at the same inner step, as for any checkpoint)
-        and stored averaged. Per-replica entries (error-feedback residuals) are ``DTensor`` rows on a
+        collective completion: call on every rank of every replica at the same inner step, as for any
+        checkpoint; with several replicas the first call also creates the per-replica rows' device mesh,
+        collectively) and stored averaged. With GTP inside, shards are gathered over their GTP group. Per-replica entries (error-feedback residuals) are ``DTensor`` rows on a
         ``(replica, dp)`` mesh when there are several replicas, so ``torch.distributed.checkpoint``
         saves every replica's own; the rest is identical on every rank and plain.
         """
@@ -646,6 +706,7 @@ class StreamingDiLoCo:
         for o, s in zip(self.outer, state["outer"], strict=True):
             o.load_state_dict(s)
         self._state_loaded = (self.committed, self.local_step)
+        self._saved_digests = None  # healed: the weights are the peer's, not a saved state's
 
     def wait_inflight(self) -> None:
         """Complete the in-flight fragment's all-reduce now (its handles in order, the same on every

@@ -126,13 +126,17 @@ class GTPStateLayout:
                              f"shard's ({gw.shard_rows}, {gw.in_features}); only elementwise optimizer "
                              "state can be saved and resharded by rows")
 
-    def _convert(self, fn: Any) -> dict[str, Any]:
+    def _convert(self, fn: Any, *, copy_scalars: bool = False) -> dict[str, Any]:
         model_sd, optim_sd = self._raw()
         for fqn, gw in self._gtp().items():
             model_sd[fqn] = fn(gw, model_sd[fqn])
             for key in self._state_keys(optim_sd, fqn):
                 v = optim_sd[key]
-                if not isinstance(v, torch.Tensor) or v.dim() == 0:
+                if not isinstance(v, torch.Tensor):
+                    continue
+                if v.dim() == 0:
+                    if copy_scalars:  # the live one carries this rank's GTP stamp (gtp._check_optimizer_state)
+                        optim_sd[key] = v.clone()
                     continue
                 self._check_state(gw, key, v)
                 optim_sd[key] = fn(gw, v)
@@ -147,9 +151,9 @@ class GTPStateLayout:
     def logical_state_dict(self) -> dict[str, Any]:
         """The keys of :meth:`state_dict` with every GTP tensor all-gathered to the whole logical tensor, a
         copy (collective: one all-gather per GTP tensor over its GTP group, tag ``"gtp:state"``; every rank
-        holds them whole). For inspection and tests;
-        :meth:`load_state_dict` takes it."""
-        return self._convert(gather_logical)
+        holds them whole, and nothing in it is this rank's: any rank of the group may save it for all). For
+        inspection and tests; :meth:`load_state_dict` takes it."""
+        return self._convert(gather_logical, copy_scalars=True)
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:

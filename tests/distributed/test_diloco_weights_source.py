@@ -141,15 +141,16 @@ def test_a_fragment_parameter_frozen_mid_run_is_refused() -> None:
 
 
 # ---------------------------------------------------------------------------------------- two replicas
-def _resume_worker(mode: str, path: str) -> object:
+def _resume_worker(mode: str, path: str, wire: str = "topk-int2") -> object:
     """Replica r trains 6 steps on its own data (H=4: one fragment synced, the other in progress), saves; then a
     fresh process resumes in ``mode`` and trains to step 10; returns the weights (or the error)."""
     rank = dist.get_rank()
+    codec = dict(topk_chunk=4, topk_k=2, block_size=4) if wire != "fp32" else {}
 
     def build(model: nn.Module, init_sync: bool | str = True) -> tuple[torch.optim.Optimizer, StreamingDiLoCo]:
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-        dl = StreamingDiLoCo(model, opt, comm=Comm(name="replica"), sync_every=4, fragments=2, wire="topk-int2",
-                             topk_chunk=4, topk_k=2, block_size=4, init_sync=init_sync)
+        dl = StreamingDiLoCo(model, opt, comm=Comm(name="replica"), sync_every=4, fragments=2, wire=wire,
+                             init_sync=init_sync, **codec)
         return opt, dl
 
     model = _model(seed=rank)  # seeded per rank, nanoGPT style: init_sync makes the replicas equal
@@ -165,7 +166,9 @@ def _resume_worker(mode: str, path: str) -> object:
         return _flat(model)
     dl.close()
     dist.barrier()
-    st = torch.load(own if mode != "rank0-file" else f"{path}.0", weights_only=False)
+    st = torch.load(f"{path}.0" if mode.startswith("rank0-file") else own, weights_only=False)
+    if mode == "rank0-file-old-key":  # a file of the previous version: the owner row was named for the residuals
+        st["dl"]["residual_owner"] = st["dl"].pop("saved_by_replica")
     model = _model(seed=rank)
     try:
         if mode in ("load-before-build", "load-before-build-no-init-sync"):
@@ -176,7 +179,7 @@ def _resume_worker(mode: str, path: str) -> object:
             model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         dl.load_state_dict(st["dl"])
-        if mode == "rank0-file":  # replica 1 refused the load: train no further (it would wait for replica 1)
+        if mode.startswith("rank0-file"):  # replica 1 refused the load: train no further (it would wait for replica 1)
             dl.close()
             return "loaded"
         for s in range(6, 10):
@@ -187,12 +190,15 @@ def _resume_worker(mode: str, path: str) -> object:
     return _flat(model)
 
 
-@pytest.mark.parametrize("mode", ["load-before-build", "rank0-file"])
-def test_two_replicas_resumed_wrongly_are_refused(tmp_path, mode: str) -> None:
+@pytest.mark.parametrize(("mode", "wire"), [("load-before-build", "topk-int2"), ("rank0-file", "topk-int2"),
+                                           ("rank0-file", "fp32"), ("rank0-file-old-key", "topk-int2")])
+def test_two_replicas_resumed_wrongly_are_refused(tmp_path, mode: str, wire: str) -> None:
     """Loading the model before building StreamingDiLoCo let init_sync overwrite replica 1's weights with replica 0's;
-    loading rank 0's saved DiLoCo state on every replica handed rank 0's error-feedback residuals to replica 1.
-    Both resumed with no error; now refused by name (the first on both replicas, the second on replica 1)."""
-    res = run_ranks(_resume_worker, 2, mode, os.fspath(tmp_path / "ckpt"))
+    loading rank 0's saved files (model, inner optimizer, DiLoCo state: nanoGPT's master-process checkpoint) on every
+    replica replaced replica 1's own work since its last syncs with replica 0's (and handed it replica 0's
+    error-feedback residuals). Both resumed with no error; now refused by name (the first on both replicas, the second
+    on replica 1, with or without error feedback)."""
+    res = run_ranks(_resume_worker, 2, mode, os.fspath(tmp_path / "ckpt"), wire)
     if mode == "load-before-build":
         for r in res:
             # synced at steps 2, 4 and 6
@@ -201,8 +207,9 @@ def test_two_replicas_resumed_wrongly_are_refused(tmp_path, mode: str) -> None:
     else:
         assert res[0] == "loaded"  # replica 0 loads its own file
         assert isinstance(res[1], str), res[1]
-        assert res[1].startswith("diloco load_state_dict: the error-feedback residuals in this state are replica "
-                                 "0's, and this is replica 1"), res[1]
+        assert res[1].startswith("diloco load_state_dict: this state was saved by replica 0, and this is replica 1 "
+                                 "(a state_dict() saved by one rank and loaded on every replica)"), res[1]
+        assert ("error-feedback residuals" in res[1]) == (wire != "fp32"), res[1]
 
 
 def test_two_replicas_resumed_rightly_match_the_uninterrupted_run(tmp_path) -> None:
@@ -300,3 +307,68 @@ def test_gtp_inside_with_a_lossy_wire_keeps_whole_parameters_equal_in_a_replica(
         assert r["breaks"] == [[6 + 6 + 6 + 5]], r["breaks"]
     unfixed = run_ranks(_gtp_lossy_worker, 4, False)
     assert not all(r["same"] for r in unfixed)  # the control: mixed with the shards, they drift apart
+
+
+def _gtp_padded_resume_worker() -> dict:
+    """2 replicas x GTP 2, a (5, 6) weight (rank 1's shard holds 2 real rows and 1 pad row), top-k + int2 with error
+    feedback, one step of overlap: train 11 steps, and train 6, save this rank's files (GTPStateLayout's logical
+    form and dl.state_dict(), both whole weights), rebuild from other seeds, load, train 5 more."""
+    from lowband.parallel import build_mesh
+    from lowband.parallel.gtp import GTPRuntime, shard_linears
+    from lowband.parallel.gtp_state import GTPStateLayout
+
+    rank = dist.get_rank()
+
+    def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, StreamingDiLoCo]:
+        mesh = build_mesh(replica=2, gtp=2)
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(4, 6, dtype=torch.float64), nn.LayerNorm(6, dtype=torch.float64),
+                              nn.Linear(6, 5, dtype=torch.float64))
+        shard_linears(model, GTPRuntime(mesh.gtp))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        dl = StreamingDiLoCo(model, opt, comm=mesh.replica, sync_every=4, fragments=2, delay=1, wire="topk-int2",
+                             topk_chunk=4, topk_k=2, block_size=4)
+        return model, opt, dl
+
+    model, opt, dl = build(rank)
+    for s in range(11):
+        _step(model, opt, rank, s, io=(4, 5))
+    want = _flat(model)
+    weight = model[2].weight
+    pads = {"weight": weight[2:].detach().clone() if rank % 2 else None}
+    for i, f in enumerate(dl.frags):
+        if any(p is weight for p in f.params):
+            j = next(k for k, p in enumerate(f.params) if p is weight)
+            off = sum(p.numel() for p in f.params[:j])
+            pads["global"] = dl.globals[i][j][2:].clone() if rank % 2 else None
+            pads["residual"] = dl.residuals[i][off:off + weight.numel()].view(3, 6)[2:].clone() if rank % 2 else None
+    dl.close()
+
+    model, opt, dl = build(rank)
+    for s in range(6):
+        _step(model, opt, rank, s, io=(4, 5))
+    buf = io.BytesIO()
+    torch.save({"layout": GTPStateLayout(model, opt).logical_state_dict(), "dl": dl.state_dict()}, buf)
+    dl.close()
+    model, opt, dl = build(rank + 50)
+    st = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    GTPStateLayout(model, opt).load_state_dict(st["layout"])
+    dl.load_state_dict(st["dl"])
+    for s in range(6, 11):
+        _step(model, opt, rank, s, io=(4, 5))
+    got = _flat(model)
+    dl.close()
+    return {"pads": pads, "equal": torch.equal(got, want), "diff": (got - want).abs().max().item()}
+
+
+def test_gtp_inside_pad_rows_stay_zero_and_a_resume_is_exact() -> None:
+    """A mid-rise codec (int2) decodes a zero it sends as +-scale/2: the pad row of a GTP shard took nonzero values
+    in the averaged pseudo-gradient and the residual, and from there in the global copy, the outer momentum and the
+    weight. A checkpoint holds real rows only, so a resumed run restarted them at zero and diverged (0.04 on the
+    padded weight after 5 steps, silently). The sync now keeps padding zero; the resume is bit for bit."""
+    res = run_ranks(_gtp_padded_resume_worker, 4)
+    for r, out in enumerate(res):
+        assert out["equal"], (r, out["diff"])
+        if r % 2:
+            for what, t in out["pads"].items():
+                assert t is not None and not t.any(), (r, what, t)

@@ -9,7 +9,16 @@ import torch
 from torch import nn
 
 from lowband.dcp_chunks import LocalChunks
-from lowband.sharding import Placement, Split, from_state, logical_boxes, place, placement_of, to_state
+from lowband.sharding import (
+    Placement,
+    Split,
+    from_state,
+    logical_boxes,
+    padding_mask,
+    place,
+    placement_of,
+    to_state,
+)
 
 
 def _logical(shape: tuple[int, ...]) -> torch.Tensor:
@@ -67,6 +76,17 @@ def test_to_state_and_from_state_follow_the_reference_cut(shape, cuts):
     # back: from the chunks (a filled template) and from the whole logical tensor; padding zero
     assert torch.equal(from_state(pl, chunks), local)
     assert torch.equal(from_state(pl, full), local)
+
+
+@pytest.mark.parametrize(("shape", "cuts"), CASES)
+def test_padding_mask_marks_exactly_the_elements_that_are_no_state(shape, cuts):
+    pl = _placement(shape, cuts)
+    local = _local(_logical(shape), pl)  # logical values are 1..N: zero exactly at padding
+    mask = padding_mask(pl)
+    if bool((local != 0).all()):
+        assert mask is None
+    else:
+        assert mask is not None and torch.equal(mask, local == 0)
 
 
 def test_boxes_tile_every_rank_once():
