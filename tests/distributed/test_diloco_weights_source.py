@@ -176,9 +176,15 @@ def _resume_worker(mode: str, path: str, wire: str = "topk-int2") -> object:
             opt, dl = build(model, init_sync=mode == "load-before-build")
         else:
             opt, dl = build(model)
-            model.load_state_dict(st["model"])
+            rank0 = torch.load(f"{path}.0", weights_only=False) if mode == "rank0-model" else st
+            model.load_state_dict(rank0["model"])
         opt.load_state_dict(st["opt"])
         dl.load_state_dict(st["dl"])
+        if mode == "rank0-model":  # replica 1 refuses at its first step; replica 0 would then wait for it at a sync
+            if rank == 1:
+                _step(model, opt, rank, 6)
+            dl.close()
+            return "stepped"
         if mode.startswith("rank0-file"):  # replica 1 refused the load: train no further (it would wait for replica 1)
             dl.close()
             return "loaded"
@@ -191,19 +197,26 @@ def _resume_worker(mode: str, path: str, wire: str = "topk-int2") -> object:
 
 
 @pytest.mark.parametrize(("mode", "wire"), [("load-before-build", "topk-int2"), ("rank0-file", "topk-int2"),
-                                           ("rank0-file", "fp32"), ("rank0-file-old-key", "topk-int2")])
+                                           ("rank0-file", "fp32"), ("rank0-file-old-key", "topk-int2"),
+                                           ("rank0-model", "fp32")])
 def test_two_replicas_resumed_wrongly_are_refused(tmp_path, mode: str, wire: str) -> None:
     """Loading the model before building StreamingDiLoCo let init_sync overwrite replica 1's weights with replica 0's;
     loading rank 0's saved files (model, inner optimizer, DiLoCo state: nanoGPT's master-process checkpoint) on every
     replica replaced replica 1's own work since its last syncs with replica 0's (and handed it replica 0's
     error-feedback residuals). Both resumed with no error; now refused by name (the first on both replicas, the second
-    on replica 1, with or without error feedback)."""
+    on replica 1, with or without error feedback). Rank 0's model file next to each replica's own DiLoCo state is
+    refused at replica 1's first step, naming the fragment in progress at the save (the other had just synced)."""
     res = run_ranks(_resume_worker, 2, mode, os.fspath(tmp_path / "ckpt"), wire)
     if mode == "load-before-build":
         for r in res:
             # synced at steps 2, 4 and 6
             assert isinstance(r, str) and "a state with progress was loaded (committed 3, local_step 0)" in r, r
             assert "build it with init_sync=False when every replica loads its own weights first" in r
+    elif mode == "rank0-model":  # rank 0's model file, each replica's own optimizer and DiLoCo state
+        assert res[0] == "stepped"
+        assert isinstance(res[1], str) and res[1].startswith(
+            "diloco: the weights of ['2.weight', '2.bias'] (2 of the fragment parameters) are not the ones this "
+            "replica held when the loaded DiLoCo state was saved: a model file of another replica"), res[1]
     else:
         assert res[0] == "loaded"  # replica 0 loads its own file
         assert isinstance(res[1], str), res[1]
