@@ -404,6 +404,7 @@ def _logical_state_dict(dl: StreamingDiLoCo) -> dict[str, Any]:
     if owner is not None:  # torch.save keeps only the saving rank's DTensor row: name whose it is
         out["saved_by_replica"] = per_replica(torch.tensor(owner[2], dtype=torch.int64, device=dl.backup_device),
                                               owner[0], owner[1], dl.dcp_meshes)
+        dl.wait_for_inner_writes()
         for frag in dl.frags:  # which weights this state goes with (checked at the first step after a load)
             for name, p in zip(frag.names, frag.params, strict=True):
                 digests = row_digests(_logical(dl, name, p.detach())).to(dl.backup_device)
