@@ -199,7 +199,11 @@ class StreamingDiLoCo:
     Args:
         model: the replica's model, weights initialised or pretrained weights loaded (the global copies are
             taken now; weights loaded later without :meth:`load_state_dict` are refused at the next step).
-        inner_optimizer: the model's optimizer; a step post-hook is registered on it.
+        inner_optimizer: the model's optimizer, or every optimizer that trains it (a list: torch's ``Muon`` for
+            the matrices next to an ``AdamW`` for the rest); step hooks are registered on each. An inner step
+            is counted (and a fragment prepared or synced) when every one of them has stepped once, whatever
+            their order; one stepping twice before the others have is refused. A trainable fragment parameter
+            that none of them holds is refused at construction.
         comm: the cross-replica group (the ranks at the same dp and GTP position in every replica:
             ``replica_mesh(...).replica``); ``None`` = the default process group (every rank its own
             replica; one replica without ``torch.distributed``). A group holding two ranks of one GTP group
@@ -251,7 +255,7 @@ class StreamingDiLoCo:
             checks run before any collective.
     """
 
-    def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, *,
+    def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], *,
                  comm: Comm | None = None, sync_every: int,
                  fragments: int | Sequence[nn.Module | Iterable[nn.Parameter]] = 1, delay: int = 0,
                  alpha: float = 0.0,
@@ -265,10 +269,24 @@ class StreamingDiLoCo:
         # ---- local validation (identical on every rank, before any collective)
         if not isinstance(model, nn.Module):
             raise TypeError(f"diloco model must be an nn.Module, got {type(model).__name__}")
-        if not isinstance(inner_optimizer, torch.optim.Optimizer):
-            raise TypeError(f"diloco inner_optimizer must be a torch.optim.Optimizer, got "
-                            f"{type(inner_optimizer).__name__}")
+        inner = [inner_optimizer] if isinstance(inner_optimizer, torch.optim.Optimizer) else (
+            list(inner_optimizer) if isinstance(inner_optimizer, list | tuple) else None)
+        if not inner or not all(isinstance(o, torch.optim.Optimizer) for o in inner):
+            raise TypeError("diloco inner_optimizer must be a torch.optim.Optimizer or a non-empty list of them, "
+                            f"got {type(inner_optimizer).__name__}")
+        if len({id(o) for o in inner}) != len(inner):
+            raise ValueError("diloco inner_optimizer: the list holds one optimizer twice")
         self.frags: list[Fragment] = split_fragments(model, fragments, plan=plan)
+        held = {id(q) for opt in inner for g in opt.param_groups for q in g["params"]}
+        orphans = [name for f in self.frags for name, q in zip(f.names, f.params, strict=True)
+                   if q.requires_grad and id(q) not in held]
+        if orphans:
+            raise ValueError(
+                f"diloco: {orphans[:5]} ({len(orphans)} parameters) require grad but no inner optimizer holds "
+                f"{'it' if len(orphans) == 1 else 'them'}. If another optimizer trains them (torch.optim.Muon for the "
+                "matrices next to an AdamW), pass every optimizer: inner_optimizer=[adamw, muon] (DiLoCo then syncs "
+                "after all of them stepped; with one, the other stepped after a sync with a gradient taken before "
+                "it); otherwise freeze them (requires_grad_(False)) before building StreamingDiLoCo")
         n = len(self.frags)
         self.schedule = ScheduleConfig(n, sync_every, delay)
         check_alpha(alpha)
@@ -298,6 +316,8 @@ class StreamingDiLoCo:
                             f"of them, got {type(outer_optimizer).__name__}")
         self.model = model
         self.inner_optimizer = inner_optimizer
+        self.inner_optimizers: list[torch.optim.Optimizer] = inner
+        self._stepped_now: list[int] = []  # indices of the inner optimizers stepped in this inner step so far
         self.comm = (comm if comm is not None else Comm(name="replica")).private("diloco")
         self._refuse_replicas_inside_gtp()
         self.membership = membership if membership is not None else StaticMembership(self.comm)
@@ -406,9 +426,10 @@ class StreamingDiLoCo:
         self._written_before_paused = False  # fragment weights written before a paused() step, none unpaused yet
         self._state_loaded: tuple[int, int] | None = None  # (committed, local_step) of a loaded state
         self._saved_digests: dict[str, torch.Tensor] | None = None  # its weights' row digests (logical form)
-        self._hooks = [inner_optimizer.register_step_post_hook(self._post_step),
-                       inner_optimizer.register_step_pre_hook(lambda *_: self._pre_step()),
-                       model.register_load_state_dict_post_hook(_ModelLoadMarker(self))]
+        self._hooks = [h for j, opt in enumerate(inner) for h in (
+            opt.register_step_post_hook(lambda *_, j=j: self._post_step_of(j)),
+            opt.register_step_pre_hook(lambda *_, j=j: self._pre_step_of(j)))]
+        self._hooks.append(model.register_load_state_dict_post_hook(_ModelLoadMarker(self)))
 
     def _refuse_replicas_inside_gtp(self) -> None:
         """Raise ``ValueError`` when the cross-replica group holds two ranks of the GTP group of a fragment
@@ -472,6 +493,31 @@ class StreamingDiLoCo:
 
     def _versions(self) -> list[int]:
         return [p._version for f in self.frags for p in f.params]
+
+    def _pre_step_of(self, j: int) -> None:
+        """Inner optimizer ``j`` is about to step: the first of an inner step runs the checks."""
+        if self._paused:
+            self._pre_step()
+            return
+        if j in self._stepped_now:
+            others = [i for i in range(len(self.inner_optimizers)) if i not in self._stepped_now]
+            raise RuntimeError(
+                f"diloco: inner optimizer {j} stepped again before inner optimizer(s) {others} stepped once (a "
+                "GradScaler skipping one optimizer's step, a step() called twice): DiLoCo counts an inner step when "
+                "every inner optimizer has stepped once, so the replicas' syncs would drift apart. Step every "
+                "optimizer once per iteration (a fused torch optimizer takes GradScaler's skip into its own step)")
+        if not self._stepped_now:
+            self._pre_step()
+
+    def _post_step_of(self, j: int) -> None:
+        """Inner optimizer ``j`` stepped: the last of an inner step counts it."""
+        if self._paused:
+            self._post_step()
+            return
+        self._stepped_now.append(j)
+        if len(self._stepped_now) == len(self.inner_optimizers):
+            self._stepped_now = []
+            self._post_step()
 
     def _pre_step(self) -> None:
         if self._paused:  # a paused step writes the weights (a zero-lr step still does in place): count what came first
@@ -550,7 +596,7 @@ class StreamingDiLoCo:
                 "load each replica's own model together with its DiLoCo state (torch.save per rank, or "
                 "lowband.diloco.DilocoCheckpoint)")
 
-    def _post_step(self, _opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+    def _post_step(self) -> None:
         if self._paused:
             if not self._stepped:
                 self._built_versions = self._versions()
@@ -580,9 +626,10 @@ class StreamingDiLoCo:
         local) before DiLoCo reads or writes the weights: the pseudo-gradient would read half-gathered weights
         and a gather landing later would overwrite the merged ones (0.28 off after 9 steps, no error). No-op for
         an optimizer without deferred writes."""
-        wait = getattr(self.inner_optimizer, "wait_for_params", None)
-        if callable(wait):
-            wait()
+        for opt in self.inner_optimizers:
+            wait = getattr(opt, "wait_for_params", None)
+            if callable(wait):
+                wait()
 
     def check_trainable(self) -> None:
         """Raise ``ValueError`` naming a parameter the inner optimizer trains that is in no fragment: one unfrozen
@@ -601,8 +648,10 @@ class StreamingDiLoCo:
                 "the old one first; init_sync then starts every replica from replica 0's weights)")
         named = {id(p): n for n, p in self.model.named_parameters()}
         stray = [named[id(p)] for p in self.model.parameters() if p.requires_grad and id(p) not in self._frag_ids]
-        stray += [named.get(id(p), f"inner_optimizer.param_groups[{gi}]['params'][{pi}]")
-                  for gi, g in enumerate(self.inner_optimizer.param_groups) for pi, p in enumerate(g["params"])
+        stray += [named.get(id(p), f"inner_optimizer{f'[{oi}]' if len(self.inner_optimizers) > 1 else ''}"
+                                   f".param_groups[{gi}]['params'][{pi}]")
+                  for oi, opt in enumerate(self.inner_optimizers) for gi, g in enumerate(opt.param_groups)
+                  for pi, p in enumerate(g["params"])
                   if p.requires_grad and id(p) not in self._frag_ids and id(p) not in named]
         if stray:
             raise ValueError(
