@@ -279,3 +279,48 @@ def _box_holding(boxes: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, 
         if all(g <= o and o + n <= g + m for g, o, n, m in zip(log, offsets, sizes, bsz, strict=True)):
             return box
     return None
+
+
+# ------------------------------------------------------------------------------ optimizers that need whole tensors
+_WHOLE_TENSOR_TORCH_OPTIMIZERS = ("Muon", "Adafactor", "LBFGS")
+"""torch optimizers that update a parameter from statistics of the whole tensor (an orthogonalization, factored
+second moments and a parameter-norm step size, line-search dot products), where a part of a weight is not the
+weight."""
+
+
+def whole_tensor_params(optimizer: Any) -> list[torch.Tensor]:
+    """The parameters ``optimizer`` updates from statistics of the whole tensor it is given: what its own
+    ``whole_tensor_params()`` returns (lowband's Muon, REKLS, the sharded optimizer's Muon groups), every
+    parameter of torch's ``Muon``, ``Adafactor`` and ``LBFGS``, none for another (elementwise) optimizer."""
+    own = getattr(optimizer, "whole_tensor_params", None)
+    if callable(own):
+        return list(own())
+    kinds = tuple(k for k in (getattr(torch.optim, n, None) for n in _WHOLE_TENSOR_TORCH_OPTIMIZERS) if k is not None)
+    if kinds and isinstance(optimizer, kinds):
+        return [p for g in optimizer.param_groups for p in g["params"]]
+    return []
+
+
+def refuse_sharded_whole_tensor_updates(optimizer: Any) -> None:
+    """Raise ``ValueError`` when ``optimizer`` would update a part of a sharded weight (a placement cut over more
+    than one rank, on an axis not in the optimizer's ``handles_sharded_axes``, e.g. ``("tp",)`` for ``TpRekls``)
+    as if it were the whole weight (:func:`whole_tensor_params`):
+    torch's ``Muon`` on a GTP row shard orthogonalizes the shard (0.05 off the single-device step after 3 steps on
+    2 ranks, silently), ``Adafactor`` takes its column statistics and step size from the shard. Local, no
+    communication; every rank of a group holds the same kinds of parameters, so every rank raises alike. Called by
+    the GTP and TP step pre-hooks before anything steps."""
+    allowed_axes = tuple(getattr(optimizer, "handles_sharded_axes", ()))
+    bad = []
+    for p in whole_tensor_params(optimizer):
+        pl = placement_of(p)
+        if pl is not None and any(s.size > 1 and s.axis not in allowed_axes for s in pl.splits):
+            bad.append(pl)
+    if bad:
+        names = [pl.name or f"a parameter of logical shape {pl.shape}" for pl in bad[:3]]
+        cuts = sorted({f"{s.axis} over {s.size} ranks" for pl in bad for s in pl.splits if s.size > 1})
+        raise ValueError(
+            f"{type(optimizer).__name__} updates each parameter from statistics of the whole tensor it holds, but "
+            f"{names}{' ...' if len(bad) > 3 else ''} ({len(bad)} parameters) hold one rank's part of a sharded "
+            f"weight ({', '.join(cuts)}): every rank would step its part as if it were the weight. Use "
+            "lowband.optim.gtp_muon.GTPMuon for GTP weights, lowband.optim.TpRekls for tensor-parallel slices, or an "
+            "elementwise optimizer (torch AdamW, SGD) on the parts")

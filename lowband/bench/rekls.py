@@ -51,6 +51,8 @@ class ReferenceTpRekls(REKLS):
     parameters' ``partition_dim`` attribute.
     """
 
+    handles_sharded_axes = ("tp",)  # the upstream scheme handles TP slices itself
+
     def __init__(self, params: Any, lr: float, *, tp_comm: Comm, **kwargs: Any) -> None:
         super().__init__(params, lr, **kwargs)
         self.tp_comm = tp_comm

@@ -361,6 +361,10 @@ class GTPMuon(torch.optim.Optimizer):
         return grad, upd
 
     # ------------------------------------------------------------------------------ step
+    def whole_tensor_params(self) -> list[torch.Tensor]:
+        """None: the Muon matrices are gathered whole on their owners (GTP row shards are this optimizer's own)."""
+        return []
+
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         loss = None

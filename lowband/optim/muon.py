@@ -188,6 +188,11 @@ class Muon(torch.optim.Optimizer):
                                      "Muon handles 2-D matrices only (give embeddings, heads and 1-D "
                                      "parameters to AdamW)")
 
+    def whole_tensor_params(self) -> list[torch.Tensor]:
+        """Every parameter: each is orthogonalized whole (a part of a sharded weight is refused at ``step()``,
+        :func:`lowband.sharding.refuse_sharded_whole_tensor_updates`)."""
+        return [p for g in self.param_groups for p in g["params"]]
+
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         loss = None

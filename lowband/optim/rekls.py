@@ -327,6 +327,13 @@ class REKLS(torch.optim.Optimizer):
                 if isinstance(v, torch.Tensor) and v.is_floating_point() and st[k].dtype != v.dtype:
                     st[k] = v.to(device=p.device, copy=True)
 
+    def whole_tensor_params(self) -> list[torch.Tensor]:
+        """The parameters it preconditions (2-D, no side longer than their group's ``max_precond_dim``; the rest
+        get elementwise AdamW): their Kronecker factors are statistics of the whole matrix (a part of a sharded
+        weight is refused at ``step()``, :func:`lowband.sharding.refuse_sharded_whole_tensor_updates`)."""
+        return [p for g in self.param_groups for p in g["params"]
+                if p.dim() == 2 and max(p.shape) <= g["max_precond_dim"]]
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None

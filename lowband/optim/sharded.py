@@ -1240,6 +1240,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return total
 
     # ---------------------------------------------------------------------------------- step
+    def whole_tensor_params(self) -> list[torch.Tensor]:
+        """The parameters of its Muon groups (orthogonalized whole on their owner rank; a part of a sharded weight
+        is refused at ``step()``, :func:`lowband.sharding.refuse_sharded_whole_tensor_updates`)."""
+        return [p for g in self.param_groups if g.get("algorithm") == "muon" for p in g["params"]]
+
     @torch.no_grad()
     def step(self, closure=None, grad_scaler: Any = None):  # type: ignore[override]
         """Reduce, update the owned slices, gather; returns ``closure()``'s loss if given.

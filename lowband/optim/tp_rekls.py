@@ -154,6 +154,8 @@ class TpRekls(REKLS):
     in one buffer). All TP-sharded parameters must share one state dtype.
     """
 
+    handles_sharded_axes = ("tp",)  # its TP slices' factors are whole-matrix statistics (no refusal)
+
     def __init__(self, params: Iterable[Any], lr: float, betas: tuple[float, float] = (0.9, 0.95),
                  shampoo_beta: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.01, *,
                  tp_comm: Comm | None = None, first_step: str = "plain", max_precond_dim: int = 8192,

@@ -51,6 +51,12 @@ nothing stepped, on every rank of the TP group alike, since every rank's state h
 non-scalar tensor of the parameter's state has the dense shape (an elementwise optimizer's moments; TP-REKLS
 state, whose factors have other shapes, passes). ``optimizer.state.clear()`` starts the slices afresh.
 
+**Optimizers that need the whole tensor.** The same pre-hook refuses, for any optimizer, a part of a sharded
+weight (a TP slice or a GTP row shard) that the optimizer updates from statistics of the whole tensor it is given
+(torch's ``Muon``, ``Adafactor``, ``LBFGS``; lowband's Muon, REKLS and the sharded optimizer's Muon groups:
+:func:`lowband.sharding.refuse_sharded_whole_tensor_updates`), before anything steps; ``TpRekls`` (TP slices) and
+``GTPMuon`` (GTP shards) handle their parts.
+
 GTP shards (a ``"gtp"`` cut) are left to GTP's own check and sharing
 (:meth:`lowband.parallel.gtp.GTPRuntime.check_grad_edits`, ``share_nonfinite``); a TP group of one
 rank is left alone. Every rank of a TP group must run the same TP layers in the same backward (as the
@@ -69,7 +75,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lowband.comm import finite_probe
-from lowband.sharding import Split, cut_of, placement_of
+from lowband.sharding import Split, cut_of, placement_of, refuse_sharded_whole_tensor_updates
 
 
 class TPGradEditError(RuntimeError):
@@ -217,6 +223,7 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor
 def _step_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if _ADOPTED:
         _check_adopted_state(optimizer)
+    refuse_sharded_whole_tensor_updates(optimizer)
     if not _RECORDS:
         return
     for p in _optimizer_params(optimizer):
