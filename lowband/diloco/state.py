@@ -16,7 +16,8 @@ world size (``<fqn>`` = the parameter's first name in the model; tied parameters
     inflight_residual.<fqn>       error feedback: the residual an in-flight sync leaves        (per replica)
     weights_digest.<fqn>          logical form, replica-major layout: digests of the rows of this replica's
                                   weights when it saved (:func:`lowband.diloco.row_digest.row_digests` of
-                                  the whole parameter; per replica); the first inner step after loading
+                                  the whole parameter; a GTP shard digests its own rows and the digests are
+                                  gathered, not the rows; per replica); the first inner step after loading
                                   refuses weights whose rows differ (a model file of another replica or step)
     saved_by_replica              logical form, replica-major layout: the index of the replica that saved it
                                   (per replica; a row loaded on another replica is refused: replicas differ
@@ -94,7 +95,7 @@ from lowband.diloco.row_digest import row_digests
 from lowband.optim.sharded_state import group_hyperparams
 from lowband.parallel.gtp import GTPWeight, is_gtp_param
 from lowband.parallel.gtp_state import gather_logical
-from lowband.sharding import Placement, from_state, placement_of, to_state
+from lowband.sharding import Placement, from_state, logical_boxes, placement_of, to_state
 
 if TYPE_CHECKING:
     from lowband.diloco.streaming import StreamingDiLoCo
@@ -150,6 +151,34 @@ class GTPShardLayout:
     def logical_numel(self, name: str, local: torch.Tensor) -> int:
         pl = self.placements.get(name)
         return local.numel() if pl is None else math.prod(pl.shape)
+
+    def row_runs(self, name: str) -> list[tuple[int, int, int]] | None:
+        """``[(logical_row, local_row, rows)]``: the whole rows of the logical tensor that this rank's shard of
+        ``name`` holds, and where they sit in it (:func:`lowband.sharding.logical_boxes`; pad rows are in
+        none); ``None`` when ``name`` is not a GTP shard. No communication."""
+        pl = self.placements.get(name)
+        if pl is None:
+            return None
+        runs = []
+        for log, loc, sizes in logical_boxes(pl):
+            if any(o != 0 for o in log[1:]) or tuple(sizes[1:]) != tuple(pl.shape[1:]):
+                raise ValueError(f"diloco state {name}: its placement cuts more than rows ({pl}); row digests "
+                                 "need whole rows")
+            runs.append((log[0], loc[0], sizes[0]))
+        return runs
+
+    def logical_row_digests(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """:func:`lowband.diloco.row_digest.row_digests` of the logical tensor of which ``local`` is this
+        rank's shard, without gathering it: each rank digests its own rows and the ``shard_rows`` digests are
+        all-gathered over the weight's GTP group (``tag="diloco:state"``, 8 bytes a row; collective like
+        :meth:`to_logical`). Not a GTP shard: ``row_digests(local)``."""
+        gw = self.weights.get(name)
+        mine = row_digests(local)
+        if gw is None:
+            return mine
+        out = torch.empty(gw.padded_out, dtype=mine.dtype, device=mine.device)
+        gw.runtime.state_gather(out, mine.contiguous(), f"{name!r} (its row digests)", tag="diloco:state")
+        return out[: gw.out_features].clone()
 
 
 # ------------------------------------------------------------------------------ per-replica rows
@@ -216,6 +245,12 @@ def _logical(dl: StreamingDiLoCo, name: str, t: torch.Tensor) -> torch.Tensor:
     """``t`` (a tensor of parameter ``name``'s local shape) in logical form (see ``state_layout``)."""
     lay = dl.state_layout
     return t if lay is None else lay.to_logical(name, t)
+
+
+def _logical_row_digests(dl: StreamingDiLoCo, name: str, t: torch.Tensor) -> torch.Tensor:
+    """Row digests of ``t``'s logical form (GTP: gathered digests, not the rows; see ``state_layout``)."""
+    lay = dl.state_layout
+    return row_digests(t) if lay is None else lay.logical_row_digests(name, t)
 
 
 def _local(dl: StreamingDiLoCo, name: str, t: torch.Tensor) -> torch.Tensor:
@@ -407,7 +442,7 @@ def _logical_state_dict(dl: StreamingDiLoCo) -> dict[str, Any]:
         dl.wait_for_inner_writes()
         for frag in dl.frags:  # which weights this state goes with (checked at the first step after a load)
             for name, p in zip(frag.names, frag.params, strict=True):
-                digests = row_digests(_logical(dl, name, p.detach())).to(dl.backup_device)
+                digests = _logical_row_digests(dl, name, p.detach()).to(dl.backup_device)
                 out[f"weights_digest.{name}"] = per_replica(digests, owner[0], owner[1], dl.dcp_meshes)
     return out
 

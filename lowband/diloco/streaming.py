@@ -578,14 +578,13 @@ class StreamingDiLoCo:
                 want = saved.get(name)
                 if want is None:
                     continue
-                gw = None if lay is None else lay.weights.get(name)
-                if gw is None:
-                    mine = row_digests(p.detach()).cpu()
-                else:  # this rank's real rows of the padded shard, and where they sit in the whole weight
-                    first = gw.runtime.rank * gw.shard_rows
-                    real = max(0, min(gw.shard_rows, gw.out_features - first))
-                    mine, want = row_digests(p.detach()[:real]).cpu(), want[first:first + real]
-                if not torch.equal(mine, want):
+                runs = None if lay is None else lay.row_runs(name)
+                if runs is None:
+                    same = torch.equal(row_digests(p.detach()).cpu(), want)
+                else:  # this rank's real rows of its shard against their slice of the whole weight's digests
+                    same = all(torch.equal(row_digests(p.detach()[loc:loc + n]).cpu(), want[log:log + n])
+                               for log, loc, n in runs)
+                if not same:
                     differ.append(name)
         if differ:
             raise ValueError(

@@ -322,7 +322,7 @@ def test_gtp_inside_with_a_lossy_wire_keeps_whole_parameters_equal_in_a_replica(
     assert not all(r["same"] for r in unfixed)  # the control: mixed with the shards, they drift apart
 
 
-def _gtp_padded_resume_worker() -> dict:
+def _gtp_padded_resume_worker(model_of: str = "own") -> dict:
     """2 replicas x GTP 2, a (5, 6) weight (rank 1's shard holds 2 real rows and 1 pad row), top-k + int2 with error
     feedback, one step of overlap: train 11 steps, and train 6, save this rank's files (GTPStateLayout's logical
     form and dl.state_dict(), both whole weights), rebuild from other seeds, load, train 5 more."""
@@ -365,8 +365,20 @@ def _gtp_padded_resume_worker() -> dict:
     dl.close()
     model, opt, dl = build(rank + 50)
     st = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    if model_of == "other-replica":  # the same GTP rank of the other replica wrote the model part
+        files = [None] * dist.get_world_size()
+        dist.all_gather_object(files, buf.getvalue())
+        st["layout"] = torch.load(io.BytesIO(files[rank ^ 2]), weights_only=False)["layout"]
     GTPStateLayout(model, opt).load_state_dict(st["layout"])
     dl.load_state_dict(st["dl"])
+    if model_of == "other-replica":
+        try:
+            _step(model, opt, rank, 6, io=(4, 5))
+        except ValueError as e:
+            return {"refused": str(e)}
+        finally:
+            dl.close()
+        return {"refused": None}
     for s in range(6, 11):
         _step(model, opt, rank, s, io=(4, 5))
     got = _flat(model)
@@ -385,3 +397,12 @@ def test_gtp_inside_pad_rows_stay_zero_and_a_resume_is_exact() -> None:
         if r % 2:
             for what, t in out["pads"].items():
                 assert t is not None and not t.any(), (r, what, t)
+
+
+def test_gtp_inside_another_replicas_model_rows_are_refused() -> None:
+    """Each GTP rank compares its own real rows against its slice of the saved whole weights' row digests (gathered
+    as digests at save, not as rows): the model part of another replica's file is refused on every rank."""
+    res = run_ranks(_gtp_padded_resume_worker, 4, "other-replica")
+    for r, out in enumerate(res):
+        assert out["refused"] is not None and "are not the ones this replica held" in out["refused"], (r, out)
+        assert "2.weight" in out["refused"] or "0.weight" in out["refused"], (r, out)
