@@ -27,6 +27,7 @@ from lowband.parallel.tensor import (
     RowParallelLinear,
     TPCollectiveError,
     TPInputGather,
+    TPInputMismatchError,
     TPStateError,
     mark_partition,
 )
@@ -37,7 +38,7 @@ from lowband.parallel.unshard import unsharded_copy
 __all__ = ["ColumnParallelLinear", "GTPCollectiveError", "GTPDirectReadError", "GTPEmbedding", "GTPLinear",
            "GTPOptions", "GTPRuntime",
            "GTPStateError", "MeshShape", "ParallelMesh", "RowParallelLinear", "TPCollectiveError", "TPGradEditError",
-           "TPInputGather", "TPStateError",
+           "TPInputGather", "TPInputMismatchError", "TPStateError",
            "build_mesh", "check_module_state", "clip_grad_norm_", "global_grad_norm", "mark_partition",
            "plan_filter", "shard_embeddings", "shard_linears", "shard_tp", "sync_module_state",
            "sync_replicated_grads", "unsharded_copy"]

@@ -33,9 +33,21 @@ every rank). Summed (all-reduce) each element is +-N exactly when every rank ran
 gathered (all-gather) the signatures must be equal; otherwise every rank raises
 :class:`TPCollectiveError` naming the layer it was running. So a TP layer run by some ranks only (a branch
 chosen by a rank's own data) fails at its first collective on every rank, instead of pairing with
-another layer's collective of the same shape and training on silently wrong sums. Cost: 16 elements per
-TP collective (the all-reduce already worked on a copy: the signature is appended to that copy; the
-all-gathers copy the local piece once more).
+another layer's collective of the same shape and training on silently wrong sums.
+
+Input check: a column-parallel layer's input (and a row-parallel layer's when it slices a replicated input
+itself) is replicated, so every rank of the group must hold the same values. Each such layer folds a digest of
+its input (:func:`_input_digest`: its rows' float32 sums, plain and position-weighted, as 64 bits; one read of
+the input) into its group's pending digest, and the next TP collective on that group carries it as
+``DIGEST_BITS`` (64) elements of +-1, checked like the signature: ranks whose inputs differ (dropout drawn
+from per-rank RNG streams on activations the group holds whole, per-rank batches fed without
+:class:`TPInputGather`) raise :class:`TPInputMismatchError` on every rank, naming the layers, at the first
+collective after it (before the backward ends, so before any step), instead of training slices of no one
+dense layer while the replicated weights drift apart.
+
+Cost: ``CHECK_ELEMS`` (80) elements per TP collective (the all-reduce already worked on a copy: they are
+appended to that copy; the all-gathers copy the local piece once more), and the digest's read of each
+replicated input.
 
 Initialization: the dense weight is drawn like ``torch.nn.Linear`` from the global RNG (or the given
 generator) and sliced, so every TP rank must be in the same RNG state (``torch.manual_seed`` with the
@@ -197,8 +209,19 @@ class TPCollectiveError(RuntimeError):
     """Ranks of a TP group paired collectives of different TP layers (a layer run by some ranks only)."""
 
 
+class TPInputMismatchError(TPCollectiveError):
+    """The ranks of a TP group computed a TP layer on different replicated inputs (per-rank dropout masks,
+    per-rank batches without :class:`TPInputGather`): their slices no longer belong to one dense layer."""
+
+
 SITE_BITS = 16
 """Elements of the layer signature each TP collective carries (see :func:`_signature`)."""
+
+DIGEST_BITS = 64
+"""Elements of the replicated-input digest each TP collective carries (see :func:`_note_replicated_input`)."""
+
+CHECK_ELEMS = SITE_BITS + DIGEST_BITS
+"""Elements every TP collective (of a layer with a signature) adds to its payload: signature and input digest."""
 
 
 def _next_site(comm: Comm) -> int:
@@ -217,6 +240,58 @@ def _signature(site: int, like: torch.Tensor) -> torch.Tensor:
     sums, so every rank reaches the same verdict. Gathered, the signatures are compared directly."""
     bits = [1.0 if (site >> k) & 1 else -1.0 for k in range(SITE_BITS)]
     return torch.tensor(bits, dtype=like.dtype, device=like.device)
+
+
+def _input_digest(x: torch.Tensor) -> torch.Tensor:
+    """One int64 (a 1-element tensor on ``x``'s device) from ``x``'s values: its rows' float32 sums over the
+    last dimension, summed plainly and with position weights, the two float32 results' bits read as one int64.
+    Equal tensors give equal digests on every rank of a TP group (same kernel, same shape); a dropout mask or a
+    batch that differs changes them. One read of ``x``, no copy of it, no host sync."""
+    rows = x.detach().sum(dim=-1, dtype=torch.float32).reshape(-1)
+    w = (torch.arange(rows.numel(), device=rows.device) % 7919 + 1).to(torch.float32)
+    return torch.stack([rows.sum(), (rows * w).sum()]).view(torch.int64)
+
+
+def _note_replicated_input(x: torch.Tensor, comm: Comm, site: int | None, name: str) -> None:
+    """Fold the digest of the replicated input of TP layer ``name`` into ``comm``'s pending digest, which the
+    next TP collective on ``comm`` (forward or backward, of any layer) carries and checks
+    (:func:`_take_digest_bits`). Every rank of the group runs the same layers in the same order (the signature
+    checks that), so every rank folds the same inputs and the digests must agree bit for bit."""
+    if site is None or comm.size == 1:
+        return
+    d = _input_digest(x)
+    prev = getattr(comm, "_tp_digest", None)
+    if prev is not None:  # rotate left by one, then xor: order-sensitive, exact integer arithmetic
+        d = ((prev << 1) | ((prev >> 63) & 1)) ^ d
+    comm._tp_digest = d
+    comm._tp_digest_names = [*getattr(comm, "_tp_digest_names", []), name]
+
+
+def _take_digest_bits(comm: Comm, like: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
+    """``DIGEST_BITS`` elements of +-1 spelling ``comm``'s pending input digest (all -1 when none is pending),
+    in ``like``'s dtype and device, and the names of the layers whose inputs it covers; clears it."""
+    d = getattr(comm, "_tp_digest", None)
+    names = getattr(comm, "_tp_digest_names", [])
+    comm._tp_digest, comm._tp_digest_names = None, []
+    if d is None:
+        return -torch.ones(DIGEST_BITS, dtype=like.dtype, device=like.device), []
+    shifts = torch.arange(DIGEST_BITS, device=d.device)
+    bits = (d.to(like.device) >> shifts.to(like.device)) & 1
+    return (bits * 2 - 1).to(like.dtype), names
+
+
+def _input_mismatch(comm: Comm, name: str, inputs: list[str]) -> TPInputMismatchError:
+    layers = ", ".join(repr(n) for n in inputs[:4]) + (f" (and {len(inputs) - 4} more)" if len(inputs) > 4 else "")
+    return TPInputMismatchError(
+        f"TP: the ranks of TP group {comm.name!r} (size {comm.size}) computed layer {layers} on different inputs "
+        f"(found at {name!r}'s collective): a TP layer's input is replicated, every rank of the group must hold "
+        "the same values (each rank computes one slice of one dense layer; different inputs train a model that "
+        "no single device would, and the ranks' replicated weights drift apart). Usual causes: a dropout (or "
+        "another random op) on activations the TP group holds whole, drawn from each rank's own RNG (per-rank "
+        "seeds): seed the ranks of a TP group alike (torch.manual_seed(seed + dp_rank)) so their masks agree, and "
+        "draw per-rank batches from a torch.Generator of their own; or per-rank batches fed to the TP model: wrap "
+        "it in TPInputGather(model, tp_comm) (the group computes on the union of its ranks' batches) or give every "
+        "rank of a TP group the same batch")
 
 
 def _mismatch(comm: Comm, name: str, what: str) -> TPCollectiveError:
@@ -239,10 +314,13 @@ def _summed_with_signature(x: torch.Tensor, comm: Comm, site: int | None, name: 
         out = x.contiguous().clone()
         comm.all_reduce(out, "sum", tag=tag)
         return out
-    flat = torch.cat([x.reshape(-1), _signature(site, x)])
+    bits, inputs = _take_digest_bits(comm, x)
+    flat = torch.cat([x.reshape(-1), _signature(site, x), bits])
     comm.all_reduce(flat, "sum", tag=tag)
-    _check_summed(flat[-SITE_BITS:], comm, name, what)
-    return flat[:-SITE_BITS].view(x.shape)
+    _check_summed(flat[-CHECK_ELEMS:-DIGEST_BITS], comm, name, what)
+    if not bool((flat[-DIGEST_BITS:].abs() == comm.size).all()):
+        raise _input_mismatch(comm, name, inputs)
+    return flat[:-CHECK_ELEMS].view(x.shape)
 
 
 def _gathered_with_signature(x: torch.Tensor, comm: Comm, site: int | None, name: str, tag: str,
@@ -256,12 +334,15 @@ def _gathered_with_signature(x: torch.Tensor, comm: Comm, site: int | None, name
         comm.all_gather(buf, xc, tag=tag)
         return buf
     sig = _signature(site, xc)
-    piece = torch.cat([xc.reshape(-1), sig])
+    bits, inputs = _take_digest_bits(comm, xc)
+    piece = torch.cat([xc.reshape(-1), sig, bits])
     buf = torch.empty((n, piece.numel()), dtype=xc.dtype, device=xc.device)
     comm.all_gather(buf, piece, tag=tag)
-    if not bool((buf[:, -SITE_BITS:] == sig).all()):
+    if not bool((buf[:, -CHECK_ELEMS:-DIGEST_BITS] == sig).all()):
         raise _mismatch(comm, name, what)
-    return buf[:, :-SITE_BITS].reshape(n, *xc.shape)
+    if not bool((buf[:, -DIGEST_BITS:] == bits).all()):
+        raise _input_mismatch(comm, name, inputs)
+    return buf[:, :-CHECK_ELEMS].reshape(n, *xc.shape)
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -326,7 +407,9 @@ class _ScatterToTP(torch.autograd.Function):
 # runs in the eager autograd engine, compiled autograd being off by default.)
 @opaque
 def copy_to_tp(x: torch.Tensor, comm: Comm, site: int | None = None, name: str = "") -> torch.Tensor:
-    """Identity forward; all-reduce (sum, ``tp:col_dx``) of the gradient backward."""
+    """Identity forward; all-reduce (sum, ``tp:col_dx``) of the gradient backward. ``x`` is replicated: its
+    digest rides on the next TP collective (:func:`_note_replicated_input`)."""
+    _note_replicated_input(x, comm, site, name)
     return _CopyToTP.apply(x, comm, site, name)
 
 
@@ -344,7 +427,9 @@ def gather_from_tp(x: torch.Tensor, comm: Comm, site: int | None = None, name: s
 
 @opaque
 def scatter_to_tp(x: torch.Tensor, comm: Comm, site: int | None = None, name: str = "") -> torch.Tensor:
-    """The local slice of the last dim forward; all-gather of the gradient (``tp:row_dx``) backward."""
+    """The local slice of the last dim forward; all-gather of the gradient (``tp:row_dx``) backward. ``x`` is
+    replicated: its digest rides on the next TP collective (:func:`_note_replicated_input`)."""
+    _note_replicated_input(x, comm, site, name)
     return _ScatterToTP.apply(x, comm, site, name)
 
 

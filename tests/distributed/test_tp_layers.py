@@ -9,7 +9,7 @@ from torch import nn
 
 from lowband.comm import Comm, CommLedger
 from lowband.parallel import ColumnParallelLinear, RowParallelLinear
-from lowband.parallel.tensor import SITE_BITS
+from lowband.parallel.tensor import CHECK_ELEMS
 from lowband.sharding import placement_of
 from lowband.testing import run_ranks
 
@@ -59,8 +59,8 @@ def _mlp_matches_dense(dtype_name: str) -> None:
         assert ledger.count("all_reduce", tag="tp:col_dx") == 1
         # end of backward: one inf/NaN flag per TP slice (col weight and bias, row weight; lowband.parallel.tp_grads)
         assert [r.numel for r in ledger.select(op="all_reduce", tag="tp:nonfinite")] == [3]
-        # the activation plus the SITE_BITS-element layer signature (the TP agreement check)
-        numel = 3 * 5 * 6 + SITE_BITS
+        # the activation plus the layer signature and the input digest (CHECK_ELEMS, the TP agreement checks)
+        numel = 3 * 5 * 6 + CHECK_ELEMS
         assert ledger.wire_bytes("all_reduce", tag="tp:row_y") == 2 * (n - 1) * numel * esize // n
         assert ledger.wire_bytes("all_reduce", tag="tp:col_dx") == 2 * (n - 1) * numel * esize // n
     else:

@@ -1,0 +1,137 @@
+"""A TP group's ranks must compute on the same replicated activations: what a user's script can do to break
+that, and lowband's input check (lowband.parallel.tensor: each replicated TP input's digest rides on the next TP
+collective).
+
+Before the check, dropout on the residual stream of an outside-style GPT under TP 2 with per-rank seeds (the
+nanoGPT habit) drew other masks on each rank: every TP layer then computed its slice from other inputs, and the
+replicated LayerNorm weights were 0.039 apart after 3 steps, with no error. Per-rank batches fed to the TP model
+without ``TPInputGather`` did the same. Now every rank raises ``TPInputMismatchError`` naming the layer at the
+first TP collective after it; seeding the ranks of a TP group alike (``seed + dp_rank``) keeps them in step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lowband.comm import Comm
+from lowband.consistency import check_replicas
+from lowband.parallel import (
+    ColumnParallelLinear,
+    TPInputGather,
+    TPInputMismatchError,
+    clip_grad_norm_,
+    shard_tp,
+)
+from lowband.parallel.gtp import reduce_grads
+from lowband.parallel.mesh import build_mesh
+from lowband.testing import run_ranks
+from tests.external.outside_gpt import OutsideConfig, outside_plan, random_batch, seeded_model
+
+MISMATCH = "on different inputs"
+
+
+def _dropout_run(seeding: str) -> dict[str, Any]:
+    """Outside GPT with dropout (p = 0.1) after every attention and MLP block, TP 2 (x DP 2 on 4 ranks), torch
+    AdamW, 3 steps through TPInputGather; ``seeding`` = "rank" (torch.manual_seed(1337 + rank) before training)
+    or "dp" (1337 + dp rank: the ranks of a TP group alike)."""
+    rank = dist.get_rank()
+    cfg = OutsideConfig(tie=False)
+    model = seeded_model(1337, rank, cfg, torch.float64)
+    drop = nn.Dropout(0.1)
+    for block in model.transformer.h:
+        block.attn.register_forward_hook(lambda mod, args, out: drop(out))
+        block.mlp.register_forward_hook(lambda mod, args, out: drop(out))
+    mesh = build_mesh(tp=2)
+    shard_tp(model, outside_plan(model), mesh.tp, sync_comm=Comm())
+    torch.manual_seed(1337 + (rank if seeding == "rank" else mesh.dp.rank))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    wrapped = TPInputGather(model, mesh.tp)
+    model.train()
+    try:
+        for step in range(3):
+            x, y = random_batch(step, rank, 2, cfg)  # per-rank batches from a generator of their own
+            _, loss = wrapped(x, y)
+            loss.backward()
+            if mesh.dp.size > 1:
+                reduce_grads(mesh.dp, model.parameters(), "avg", tag="grad")
+            clip_grad_norm_(model, 1.0)
+            opt.step()
+            opt.zero_grad()
+    except TPInputMismatchError as e:
+        return {"error": str(e), "step": step}
+    check_replicas(model, Comm())  # replicated weights bitwise equal on every rank, TP slices within their DP copies
+    return {"error": None, "ln_f": model.transformer.ln_f.weight.detach().clone()}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dropout_with_per_rank_seeds_is_refused_on_every_rank(world: int) -> None:
+    res = run_ranks(_dropout_run, world, "rank")
+    for r, out in enumerate(res):
+        assert out["error"] is not None, r
+        assert out["step"] == 0, out  # at the first forward: the attention's dropout feeds the MLP's c_fc
+        assert "'transformer.h.0.mlp.c_fc'" in out["error"] and MISMATCH in out["error"], out["error"]
+        assert "torch.manual_seed(seed + dp_rank)" in out["error"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dropout_with_a_tp_group_seeded_alike_trains_in_step(world: int) -> None:
+    """The recipe the error names: the ranks of a TP group draw the same masks; check_replicas in the worker
+    found every replicated weight bitwise equal on every rank after 3 steps."""
+    res = run_ranks(_dropout_run, world, "dp")
+    assert all(out["error"] is None for out in res), [out["error"] for out in res]
+    assert all(torch.equal(out["ln_f"], res[0]["ln_f"]) for out in res)
+
+
+def _per_rank_batches(how: str) -> dict[str, Any]:
+    """TP 2 on 2 ranks, no dropout, each rank its own batch fed straight to the TP model (no TPInputGather):
+    ``how`` = "train" (forward + backward) or "eval" (a forward under torch.no_grad, which has no backward
+    collective: the row-parallel forward all-reduce carries the check)."""
+    rank = dist.get_rank()
+    cfg = OutsideConfig(tie=False)
+    model = seeded_model(1337, rank, cfg, torch.float64)
+    mesh = build_mesh(tp=2)
+    shard_tp(model, outside_plan(model), mesh.tp, sync_comm=Comm())
+    x, y = random_batch(0, rank, 2, cfg)
+    try:
+        if how == "eval":
+            with torch.no_grad():
+                model(x, y)
+        else:
+            model(x, y)[1].backward()
+    except TPInputMismatchError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("how", ["train", "eval"])
+def test_per_rank_batches_without_the_input_gather_are_refused(how: str) -> None:
+    for r, out in enumerate(run_ranks(_per_rank_batches, 2, how)):
+        assert out["error"] is not None, r
+        assert "'transformer.h.0.attn.c_attn'" in out["error"] and MISMATCH in out["error"], out["error"]
+        assert "TPInputGather(model, tp_comm)" in out["error"]
+
+
+def _gathered_output(same: bool) -> dict[str, Any]:
+    """A ColumnParallelLinear with gather_output=True (its forward collective is an all-gather) on 2 ranks, fed
+    the same input or each rank its own."""
+    rank = dist.get_rank()
+    layer = ColumnParallelLinear(6, 4, Comm(), gather_output=True, dtype=torch.float64,
+                                 generator=torch.Generator().manual_seed(0))
+    x = torch.randn(3, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0 if same else rank))
+    try:
+        y = layer(x)
+    except TPInputMismatchError as e:
+        return {"error": str(e)}
+    return {"error": None, "y": y.detach()}
+
+
+def test_the_all_gather_path_checks_too() -> None:
+    same = run_ranks(_gathered_output, 2, True)
+    assert all(out["error"] is None for out in same) and torch.equal(same[0]["y"], same[1]["y"])
+    for r, out in enumerate(run_ranks(_gathered_output, 2, False)):
+        assert out["error"] is not None and "'ColumnParallelLinear #1'" in out["error"], (r, out)
