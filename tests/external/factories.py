@@ -182,3 +182,14 @@ def outside_gpt_running_loss(cfg: Config) -> tuple[nn.Module, ModelPlan]:
     torch.manual_seed(cfg.run.seed + _rank())
     model = _RunningLossGPT(outside_config(cfg))
     return model, outside_plan(model)
+
+
+def outside_gpt_dropout(cfg: Config) -> tuple[nn.Module, ModelPlan]:
+    """Untied OutsideGPT seeded ``run.seed + rank`` with dropout (p = 0.1) on the residual stream after every
+    attention and MLP block (GPT-2's ``resid_pdrop``), as forward hooks, and its plan."""
+    model = seeded_model(cfg.run.seed, _rank(), outside_config(cfg, tie=False))
+    for block in model.transformer.h:  # a submodule of the block, so model.eval() turns it off
+        block.resid_drop = nn.Dropout(0.1)
+        block.attn.register_forward_hook(lambda mod, args, out, b=block: b.resid_drop(out))
+        block.mlp.register_forward_hook(lambda mod, args, out, b=block: b.resid_drop(out))
+    return model, outside_plan(model)

@@ -11,6 +11,7 @@ first TP collective after it; seeding the ranks of a TP group alike (``seed + dp
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,6 +27,7 @@ from lowband.parallel import (
     TPInputMismatchError,
     clip_grad_norm_,
     shard_tp,
+    unsharded_copy,
 )
 from lowband.parallel.gtp import reduce_grads
 from lowband.parallel.mesh import build_mesh
@@ -42,10 +44,10 @@ def _dropout_run(seeding: str) -> dict[str, Any]:
     rank = dist.get_rank()
     cfg = OutsideConfig(tie=False)
     model = seeded_model(1337, rank, cfg, torch.float64)
-    drop = nn.Dropout(0.1)
-    for block in model.transformer.h:
-        block.attn.register_forward_hook(lambda mod, args, out: drop(out))
-        block.mlp.register_forward_hook(lambda mod, args, out: drop(out))
+    for block in model.transformer.h:  # a submodule of the block, so model.eval() turns it off
+        block.resid_drop = nn.Dropout(0.1)
+        block.attn.register_forward_hook(lambda mod, args, out, b=block: b.resid_drop(out))
+        block.mlp.register_forward_hook(lambda mod, args, out, b=block: b.resid_drop(out))
     mesh = build_mesh(tp=2)
     shard_tp(model, outside_plan(model), mesh.tp, sync_comm=Comm())
     torch.manual_seed(1337 + (rank if seeding == "rank" else mesh.dp.rank))
@@ -135,3 +137,45 @@ def test_the_all_gather_path_checks_too() -> None:
     assert all(out["error"] is None for out in same) and torch.equal(same[0]["y"], same[1]["y"])
     for r, out in enumerate(run_ranks(_gathered_output, 2, False)):
         assert out["error"] is not None and "'ColumnParallelLinear #1'" in out["error"], (r, out)
+
+
+def _trainer_run(cfg: Any, stop_after: int | None = None) -> dict[str, Any]:
+    from lowband.train.trainer import train
+
+    res = train(cfg, write_run_dir=False, log=False, stop_after=stop_after)
+    model = unsharded_copy(res.strategy.unwrapped())
+    return {"losses": [r["loss"] for r in res.rows if "loss" in r], "start": res.start_step,
+            "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def _trainer_config(shard: str, world: int, ckpt_dir: str = "", every: int = 0) -> Any:
+    from tests.external.test_trainer_outside import outside_config
+
+    cfg = outside_config(shard, world, "tp", 2, steps=4, factory="tests.external.factories:outside_gpt_dropout",
+                         ckpt_dir=ckpt_dir, every=every)
+    cfg.tp.size, cfg.run.check_replicas_every = 2, 1
+    return cfg
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_tp_strategy_seeds_a_tp_group_alike(shard: str, world: int) -> None:
+    """The trainer's ``tp`` strategy with a factory that seeds per rank and a model with dropout: it seeds every
+    rank ``run.seed + dp_rank`` after sharding (before, the run stopped at the first step with
+    TPInputMismatchError; without the check it trained on silently); the replica check runs every step."""
+    res = run_ranks(_trainer_run, world, _trainer_config(shard, world))
+    for out in res:
+        assert out["losses"] == res[0]["losses"] and len(out["losses"]) == 4
+        for k, v in res[0]["params"].items():
+            assert torch.equal(out["params"][k], v), k
+
+
+def test_tp_with_dropout_resumes_bitwise(shard: str, tmp_path: Path) -> None:
+    """Stop at 2, resume to 4: the masks continue from each rank's saved RNG state (bitwise the uninterrupted run)."""
+    full = run_ranks(_trainer_run, 2, _trainer_config(shard, 2))
+    cfg = _trainer_config(shard, 2, str(tmp_path), 2)
+    first = run_ranks(_trainer_run, 2, cfg, stop_after=2)
+    second = run_ranks(_trainer_run, 2, cfg)
+    for f, a, b in zip(full, first, second, strict=True):
+        assert b["start"] == 2 and a["losses"] + b["losses"] == f["losses"]
+        for k, v in f["params"].items():
+            assert torch.equal(b["params"][k], v), k

@@ -13,6 +13,10 @@ global batch as DDP. Communication per step: TP activations (one all-reduce per 
 forward and per column-parallel layer backward), the input gather, the optimizer's (TP-REKLS: 2
 collectives), and with ``dp > 1`` one coalesced all-reduce (avg) of all gradients over DP.
 
+RNG: after sharding, every rank's torch RNG is seeded ``run.seed + dp_rank``, the same on the ranks of a
+TP group, so a dropout draws the same masks on them (:class:`~lowband.parallel.tensor.TPInputMismatchError`
+otherwise) and other masks in each TP group; a resume restores each rank's saved RNG state after this.
+
 Optimizer (``tp.optimizer``): ``rekls`` = :class:`~lowband.optim.tp_rekls.TpRekls` with
 the layers' placements (REKLS on the TP matrices, sharded factors; AdamW on embeddings,
 ``lm_head`` and 1-D params, no weight decay on 1-D); ``adamw`` = torch AdamW on the local shards.
@@ -90,6 +94,10 @@ class TPStrategy(Strategy):
         # the model's plan names the parallel linears; initial weights broadcast from rank 0 over the world
         shard_tp(model, self.model_plan(model), self.mesh.tp, sync_comm=self.env.comm)
         self.model = TPInputGather(model, self.mesh.tp)
+        # the forward's random ops (dropout) must draw alike on the ranks of a TP group, which compute one layer
+        # from the same replicated activations (a factory may have left per-rank seeds: nanoGPT's seed + rank),
+        # and apart across TP groups, which train on other data
+        torch.manual_seed(self.cfg.run.seed + self.mesh.dp.rank)
         if s.optimizer == "adamw":
             self.optimizer = torch_adamw(model, o)
             return
