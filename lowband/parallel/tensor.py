@@ -650,6 +650,43 @@ class RowParallelLinear(_CopyKeepsLayout, nn.Module):
                 f"input_is_parallel={self.input_is_parallel}")
 
 
+_HEADER = 128
+"""int64 words of the shape header :class:`TPInputGather` all-gathers before the inputs."""
+
+_DTYPES = {d: i for i, d in enumerate((torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+                                       torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool))}
+
+
+def _shape_header(tensors: list[torch.Tensor]) -> list[int]:
+    """``[count, (dtype code, ndim, *shape) per tensor]`` padded with -1 to ``_HEADER`` words; a description
+    longer than that is ``[-1, digest of it, -1, ...]`` (then the ranks must agree exactly)."""
+    words = [len(tensors)]
+    for t in tensors:
+        words += [_DTYPES.get(t.dtype, 99), t.dim(), *t.shape]
+    if len(words) > _HEADER:
+        words = [-1, hash(tuple(words)) % 2**62]
+    return words + [-1] * (_HEADER - len(words))
+
+
+def _parse_header(header: list[int]) -> list[tuple[int, tuple[int, ...]]] | None:
+    """``[(dtype code, shape)]`` of a :func:`_shape_header`, ``None`` for an over-long one."""
+    if header[0] < 0:
+        return None
+    out, i = [], 1
+    for _ in range(header[0]):
+        nd = header[i + 1]
+        out.append((header[i], tuple(header[i + 2:i + 2 + nd])))
+        i += 2 + nd
+    return out
+
+
+def _describe(parsed: list[tuple[int, tuple[int, ...]]] | None) -> str:
+    if parsed is None:
+        return "too many to list"
+    names = {c: str(d).removeprefix("torch.") for d, c in _DTYPES.items()}
+    return ", ".join(f"{names.get(code, 'other')}{shape}" for code, shape in parsed) or "none"
+
+
 class TPInputGather(nn.Module):
     """Calls a TP model on the union of the TP group's input slices (all-gathered in rank order).
 
@@ -657,6 +694,14 @@ class TPInputGather(nn.Module):
     global batch (as data parallelism does), this wrapper all-gathers every tensor argument
     (positional or keyword) over the TP group (tag ``"tp:input"``, one all-gather each; other values
     pass through), so the TP group computes on the union. Returns whatever the wrapped model returns.
+
+    The ranks' slices may differ in their first dimension (a last, smaller batch): before the inputs, one
+    all-gather of a fixed ``_HEADER``-word int64 header (tag ``"tp:input_shapes"``; the tensors' count, dtypes
+    and shapes) lets every rank pad its slices to the largest and keep only the real rows of each. Any other
+    difference (another count of tensor arguments, dtype, or size beyond the first dimension) raises
+    ``ValueError`` on every rank, naming each rank's shapes, instead of an all-gather of mismatched sizes (gloo
+    aborts the process; NCCL's behaviour is undefined). The header costs one small collective and, on a GPU,
+    one host read of it per forward.
     """
 
     def __init__(self, module: nn.Module, comm: Comm) -> None:
@@ -664,17 +709,55 @@ class TPInputGather(nn.Module):
         self.module = module
         self.comm = comm.private("tp")
 
+    def _rows_per_rank(self, tensors: list[torch.Tensor]) -> list[list[int]] | None:
+        """Every rank's first-dimension size of each tensor argument (``[argument][rank]``; ``None`` when the
+        arguments are too many to describe and must agree exactly); ``ValueError`` on every rank when anything
+        but first sizes differs (one all-gather of the header, tag ``"tp:input_shapes"``)."""
+        n = self.comm.size
+        dev = tensors[0].device if tensors else torch.device("cpu")
+        mine = torch.tensor(_shape_header(tensors), dtype=torch.int64, device=dev)
+        buf = torch.empty((n, _HEADER), dtype=torch.int64, device=dev)
+        self.comm.all_gather(buf, mine, tag="tp:input_shapes")
+        parsed = [_parse_header(h) for h in buf.tolist()]
+
+        def joinable(p: list[tuple[int, tuple[int, ...]]] | None) -> Any:  # all but the first sizes
+            return None if p is None else [(code, len(shape), shape[1:]) for code, shape in p]
+
+        exact = any(p is None for p in parsed)
+        if (exact and any(p != parsed[0] for p in parsed)) or any(joinable(p) != joinable(parsed[0]) for p in parsed):
+            per_rank = "; ".join(f"rank {r}: {_describe(p)}" for r, p in enumerate(parsed))
+            raise ValueError(
+                f"TPInputGather: the ranks of TP group {self.comm.name!r} passed tensor arguments that cannot be "
+                f"joined ({per_rank}): the group computes on the union of its ranks' inputs, so every rank must "
+                "pass the same tensor arguments with the same dtype and sizes except the first (batch) dimension")
+        if exact:
+            return None
+        return [[p[j][1][0] if p[j][1] else 1 for p in parsed] for j in range(len(tensors))]  # type: ignore[index]
+
     @opaque
-    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+    def _gather(self, x: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
         if self.comm.size == 1:
             return x
         x = x.contiguous()
-        buf = torch.empty((self.comm.size, *x.shape), dtype=x.dtype, device=x.device)
-        self.comm.all_gather(buf, x, tag="tp:input")
-        return buf.reshape(-1, *x.shape[1:])
+        if rows is None or x.dim() == 0 or len(set(rows)) == 1:
+            buf = torch.empty((self.comm.size, *x.shape), dtype=x.dtype, device=x.device)
+            self.comm.all_gather(buf, x, tag="tp:input")
+            return buf.reshape(-1, *x.shape[1:])
+        most = max(rows)  # ragged first dimension: pad to the largest, gather, keep each rank's real rows
+        padded = torch.zeros((most, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        padded[: x.shape[0]] = x
+        buf = torch.empty((self.comm.size, *padded.shape), dtype=x.dtype, device=x.device)
+        self.comm.all_gather(buf, padded, tag="tp:input")
+        return torch.cat([buf[r, :k] for r, k in enumerate(rows)])
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.comm.size == 1:
+            return self.module(*args, **kwargs)
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        per_arg = self._rows_per_rank(tensors)
+        rows = {id(t): None if per_arg is None else per_arg[j] for j, t in enumerate(tensors)}
+
         def g(a: Any) -> Any:
-            return self._gather(a) if isinstance(a, torch.Tensor) else a
+            return self._gather(a, rows[id(a)]) if isinstance(a, torch.Tensor) else a
 
         return self.module(*(g(a) for a in args), **{k: g(v) for k, v in kwargs.items()})

@@ -179,3 +179,55 @@ def test_tp_with_dropout_resumes_bitwise(shard: str, tmp_path: Path) -> None:
         assert b["start"] == 2 and a["losses"] + b["losses"] == f["losses"]
         for k, v in f["params"].items():
             assert torch.equal(b["params"][k], v), k
+
+
+def _ragged(mode: str) -> dict[str, Any]:
+    """TP 2 (x DP 2 on 4 ranks) through TPInputGather, rank r passing a batch of 1 + r % 2 sequences ("ragged")
+    or, on TP rank 1, sequences of half the length ("seq"); returns the loss and the dense model's gradient."""
+    rank = dist.get_rank()
+    cfg = OutsideConfig(tie=False)
+    model = seeded_model(1337, rank, cfg, torch.float64)
+    mesh = build_mesh(tp=2)
+    shard_tp(model, outside_plan(model), mesh.tp, sync_comm=Comm())
+    wrapped = TPInputGather(model, mesh.tp)
+    x, y = random_batch(0, rank, 1 + mesh.tp.rank, cfg)
+    if mode == "seq" and mesh.tp.rank == 1:
+        x, y = x[:, :8].contiguous(), y[:, :8].contiguous()
+    try:
+        _, loss = wrapped(x, y)
+    except ValueError as e:
+        return {"error": str(e)}
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {"error": None, "loss": float(loss.detach()), "ln_f": grads["transformer.ln_f.weight"]}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_ragged_batch_dimension_is_joined_exactly(world: int) -> None:
+    """A smaller last batch on some ranks: the TP group computes on the union of the real rows (no padding in
+    it), equal to the dense model on that union. The model is float64 with a float32 cross-entropy: the float64
+    logits differ from the reference's by sums in another order (~1e-16 relative), which can flip a float32
+    rounding of the loss's softmax (2^-24 relative), so loss and gradients are compared to 1e-6 relative (a
+    padded row in the union or a lost one moves them by O(1) of their size)."""
+    res = run_ranks(_ragged, world, "ragged")
+    cfg = OutsideConfig(tie=False)
+    for group in range(world // 2):
+        ranks = [2 * group, 2 * group + 1]
+        ref = seeded_model(1337, 0, cfg, torch.float64)
+        xs, ys = zip(*(random_batch(0, r, 1 + r % 2, cfg) for r in ranks))
+        _, loss = ref(torch.cat(xs), torch.cat(ys))
+        loss.backward()
+        for r in ranks:
+            out = res[r]
+            assert out["error"] is None, out["error"]
+            want = float(loss.detach())
+            assert abs(out["loss"] - want) <= 1e-6 * abs(want), (r, out["loss"], want)
+            torch.testing.assert_close(out["ln_f"], ref.transformer.ln_f.weight.grad, rtol=1e-6, atol=1e-12)
+
+
+def test_other_sizes_beyond_the_batch_dimension_are_refused_on_every_rank() -> None:
+    """Sequences of other lengths cannot be joined: before, the input all-gather of mismatched sizes aborted the
+    process (gloo's EnforceNotMet); now one ValueError on every rank, naming each rank's shapes."""
+    for r, out in enumerate(run_ranks(_ragged, 2, "seq")):
+        assert out["error"] is not None, r
+        assert "rank 0: int64(1, 16), int64(1, 16); rank 1: int64(2, 8), int64(2, 8)" in out["error"], out["error"]

@@ -10,7 +10,8 @@ broadcast from rank 0 over the world first.
 Data: the trainer hands every rank its own slice of the global batch; the TP ranks of a group
 all-gather their slices (``tag="tp:input"``) and all compute on the union, so a step sees the same
 global batch as DDP. Communication per step: TP activations (one all-reduce per row-parallel layer
-forward and per column-parallel layer backward), the input gather, the optimizer's (TP-REKLS: 2
+forward and per column-parallel layer backward), the input gather (a 128-word shape header, tag
+``tp:input_shapes``, then each input), the optimizer's (TP-REKLS: 2
 collectives), and with ``dp > 1`` one coalesced all-reduce (avg) of all gradients over DP.
 
 RNG: after sharding, every rank's torch RNG is seeded ``run.seed + dp_rank``, the same on the ranks of a
