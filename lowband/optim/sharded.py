@@ -19,10 +19,13 @@ Communication pattern (per step, per unit, N = data-parallel world size; see
 2. **step().** Units not launched yet (a member got no gradient on this rank, or gradients were
    produced under :meth:`ShardedOptimizer.no_sync`) are launched in unit order: a member's slot
    takes ``p.grad`` if it exists, zeros otherwise. Every reduce-scatter is waited for, then one
-   ``all_reduce(op="max", tag="grad_used")`` of a ``uint8`` level per parameter plus 3 bytes (see
-   *Missing gradients* and *Habits* below) agrees, before any update, on who used what and on what
-   to refuse. Then, unit by unit in forward order (the unit holding the earliest parameter of
-   ``module``'s registration order first, or of the flat parameter order without ``module``): update
+   ``all_reduce(op="max", tag="grad_used")`` of a ``uint8`` level per parameter, 8 bytes per param group (a
+   4-byte digest of its hyperparameters and its complement, so MAX gives every byte's largest and smallest
+   value: ranks that step with another lr or weight decay, a scheduler stepped on rank 0 only, are refused
+   with ``ValueError`` on every rank before any update) plus 4 bytes (see *Missing gradients* and *Habits*
+   below) agrees, before any update, on who used what and on what to refuse. Then, unit by unit in forward
+   order (the unit holding the earliest parameter of ``module``'s registration order first, or of the flat
+   parameter order without ``module``): update
    the owned slice (AdamW on a flat shard; Muon on whole owned matrices), launch
    ``all_gather(async_op=True, tag="param:*")`` of the updated slice straight into the flat
    parameter buffer, and move on while it is in flight. AdamW and Muon units share one loop, so
@@ -111,6 +114,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import math
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -151,6 +155,26 @@ EXCHANGES = {"ring": "sharded", "p2p": "sharded-p2p"}
 INIT_SYNC = (True, False, "verify")
 _PROBE = 64  # evenly spaced elements of a changed gradient where GradScaler's unscale factor is read (_probe_scale)
 _LEVEL_USED, _LEVEL_GRAD_CHANGED, _LEVEL_STORAGE, _LEVEL_READ_IN_FLIGHT = 1, 2, 3, 4  # per-member flag levels (MAX)
+_HYPER_BYTES = 4  # bytes of each param group's hyperparameter digest in the per-step flags
+
+
+def hyperparameter_digest(groups: list[dict[str, Any]]) -> list[int]:
+    """``_HYPER_BYTES`` bytes per param group: a digest of its hyperparameters (every key but ``params`` whose
+    value is a number, bool, string, None, a tuple of numbers or a one-element tensor, by exact ``repr``)."""
+    out: list[int] = []
+    for g in groups:
+        items = []
+        for k in sorted(g):
+            v = g[k]
+            if k == "params":
+                continue
+            if isinstance(v, torch.Tensor) and v.numel() == 1:
+                v = float(v)
+            if v is None or isinstance(v, (bool, int, float, str)) or (
+                    isinstance(v, tuple) and all(isinstance(x, (int, float)) for x in v)):
+                items.append((k, v))
+        out += list(hashlib.blake2b(repr(items).encode(), digest_size=_HYPER_BYTES).digest())
+    return out
 LR_RATIO_RTOL = 1e-6  # a schedule multiplies every lr by one factor: ratios agree to rounding (~1e-16)
 GRAD_WIRE_DTYPES = (None, torch.float32, torch.bfloat16)
 GRAD_CODECS = ("fp8", "int8")  # grad_wire_dtype names sent block-scaled (lowband.comm.codecs)
@@ -493,7 +517,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._names = [name for name, _p in named]  # by flat parameter index, for error messages
         self._excluded = [(name, p) for name, p in named if id(p) not in in_units]
         # one level per unit member, one flag per parameter left out, 4 bytes (GradScaler factor, inf, late copy)
-        self.used_flags_numel = sum(len(u.params) for u in self._units) + len(self._excluded) + 4
+        self.used_flags_numel = (sum(len(u.params) for u in self._units) + len(self._excluded)
+                                 + 2 * _HYPER_BYTES * len(self.param_groups) + 4)
         self._reset_used()
         self._sync_initial(module, all_params)
         for ui, unit in enumerate(self._units):
@@ -1045,7 +1070,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 tail[0], tail[1] = exp + 128, 127 - exp
             else:
                 levels = [[_LEVEL_GRAD_CHANGED if v == _LEVEL_USED else v for v in lv] for lv in levels]
-        flat = [v for lv in levels for v in lv] + [int(p.requires_grad) for _n, p in self._excluded] + tail
+        hyper = hyperparameter_digest(self.param_groups)  # b and 255 - b: MAX gives every byte's max and min
+        flat = ([v for lv in levels for v in lv] + [int(p.requires_grad) for _n, p in self._excluded]
+                + hyper + [255 - b for b in hyper] + tail)
         early = self._local_norm_sq() if norm else None
         if self.comm.size > 1:
             buf = torch.tensor(flat, dtype=torch.uint8, device=self._flag_device())
@@ -1068,10 +1095,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if v >= _LEVEL_GRAD_CHANGED and (problem is None or v > problem[0]):
                     problem = (v, ui, mi)
         unfrozen = [bool(v) for v in flat[off:off + len(self._excluded)]]
+        off += len(self._excluded)
+        hi, lo = flat[off:off + len(hyper)], flat[off + len(hyper):off + 2 * len(hyper)]
         hi_code, lo_code, found, late_unknown = flat[-4:]
         if problem is not None:
             self._refuse_member(*problem)
         self._check_excluded(unfrozen)
+        differ = sorted({i // _HYPER_BYTES for i, (a, b) in enumerate(zip(hi, lo, strict=True)) if a + b != 255})
+        if differ:
+            self._reset_step()
+            mine = {k: v for k, v in self.param_groups[differ[0]].items() if k != "params"}
+            raise ValueError(
+                f"{type(self).__name__}: the hyperparameters of param group(s) {differ} differ between ranks (group "
+                f"{differ[0]} on this rank: {mine}): each rank updates its own slice of every parameter with its own "
+                "values, so the gathered model would mix them (under DDP the ranks would drift apart). Set them alike "
+                "on every rank: step the lr scheduler on every rank (not under `if rank == 0`), from the step count "
+                "rather than the wall clock or a rank's own measurements")
         if hi_code:
             emax, emin = hi_code - 128, 127 - lo_code
             if late_unknown:

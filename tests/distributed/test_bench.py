@@ -97,12 +97,14 @@ def test_dp_suite_torch_contenders_agree(tmp_path: Path) -> None:
         assert abs(rows[name]["final_loss"] - rows["ddp"]["final_loss"]) < 1e-5, name
     assert rows["ddp"]["wire_bytes_per_step_per_rank"] == s  # all-reduce: 2(N-1)/N S
     assert rows["zero"]["wire_bytes_per_step_per_rank"] == s + s // 2  # DDP all-reduce + parameter broadcast
-    # RS + AG + the "got a gradient" all-reduce (one uint8 per parameter tensor plus 4 bytes of grad-scaler,
-    # inf and late-copy flags: 2(N-1)/N * (F + 4) = F + 4 bytes at N = 2) + the clip-norm scalar
+    # RS + AG + the "got a gradient" all-reduce (one uint8 per parameter tensor, 8 per param group (hyperparameter
+    # digest and complement; the trainer's AdamW groups: matrices with weight decay, the rest without) plus 4 bytes
+    # of grad-scaler, inf and late-copy flags: 2(N-1)/N * (F + 16 + 4) = F + 20 bytes at N = 2) + the clip-norm
+    # scalar
     names = {f.name for f in dataclasses.fields(GPTConfig)}
     model_cfg = json.loads(out.read_text())["config"]["model"]
     f = len(list(GPT(GPTConfig(**{k: v for k, v in model_cfg.items() if k in names})).parameters()))
-    assert rows["sharded-adamw"]["wire_bytes_per_step_per_rank"] == s + f + 4 + 4
+    assert rows["sharded-adamw"]["wire_bytes_per_step_per_rank"] == s + f + 8 * 2 + 4 + 4
     assert rows["sharded-adamw"]["optimizer_state_bytes_per_rank"] == s  # two moments over half the params
 
 

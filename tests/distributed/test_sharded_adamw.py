@@ -225,9 +225,10 @@ def esize(name: str) -> int:
 
 
 # flags of the per-step all-reduce: one level per trainable parameter (13), one flag per parameter
-# left out of the units (the frozen layer's weight and bias), and 4 trailing bytes (GradScaler factor
+# left out of the units (the frozen layer's weight and bias), 8 bytes per param group (its hyperparameters'
+# 4-byte digest and complement; adamw_groups makes 2 groups), and 4 trailing bytes (GradScaler factor
 # as max and min codes, "a reduced shard is not finite", "a late gradient copy with no factor seen"), uint8
-N_USED_FLAGS = 13 + 2 + 4
+N_USED_FLAGS = 13 + 2 + 8 * 2 + 4
 
 
 def check_ledger(results: list[dict], dtype: str, wire: str | None, clip: bool,

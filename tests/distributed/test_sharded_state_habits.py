@@ -1,4 +1,4 @@
-"""Sharded optimizer state and module state from a user's script (2 gloo ranks, float64).
+"""Sharded optimizer state and module state from a user's script (2 gloo ranks).
 
 * A 0-d parameter (a learnable ``logit_scale``) in the optimizer: ``opt.state_dict()`` for torch DCP (it raised
   ``IndexError``), saved and loaded, continues bit for bit like the uninterrupted run.
@@ -7,6 +7,8 @@
   read mid-gather mixed old and new values; a load was overwritten by the late gathers).
 * ``amsgrad`` / ``maximize`` in a param group (by hand, or from a torch AdamW state dict): refused by name, not
   ignored.
+* An lr that differs between ranks (a scheduler stepped under ``if rank == 0``, a per-rank measured schedule):
+  refused on every rank before any update.
 """
 
 from __future__ import annotations
@@ -321,3 +323,47 @@ def test_gradscaler_with_a_gradient_only_from_no_sync_microbatches_equals_torch(
         for k, v in model.named_parameters():
             torch.testing.assert_close(params[k], v.detach(), rtol=0, atol=1e-12, msg=k)
         assert got_norms == pytest.approx(norms, rel=1e-12)
+
+
+def _rank_lrs(how: str) -> dict:
+    """ShardedAdamW with a torch StepLR (gamma 0.5 each step) stepped on every rank ("all"), under
+    ``if rank == 0`` ("rank0"), or an lr set by hand from something each rank measures ("measured")."""
+    torch.manual_seed(0)
+    model = _Scaled()
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, comm=Comm(), module=model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    rank = dist.get_rank()
+    done = 0
+    try:
+        for s in range(3):
+            x, y = _batch(s, rank)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            done += 1
+            if how == "all" or (how == "rank0" and rank == 0):
+                sched.step()
+            if how == "measured":
+                for g in opt.param_groups:
+                    g["lr"] = 1e-2 * (1.0 + 1e-9 * rank)  # e.g. a schedule on each rank's wall clock
+    except ValueError as e:
+        return {"error": str(e), "done": done, "params": None}
+    return {"error": None, "done": done, "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
+
+
+@pytest.mark.parametrize("how", ["rank0", "measured"])
+def test_hyperparameters_that_differ_between_ranks_are_refused(how: str) -> None:
+    """Each rank updates its own slice with its own lr, so the gathered model silently mixed the ranks' lrs (no
+    replica check could see it: every rank holds the same mix). Now every rank refuses at the next step, before
+    any update (step 0 ran with equal lrs)."""
+    res = run_ranks(_rank_lrs, 2, how, timeout=TIMEOUT)
+    for r, out in enumerate(res):
+        assert out["done"] == 1, (r, out)
+        assert out["error"] is not None and "param group(s) [0] differ between ranks" in out["error"], (r, out)
+        assert "not under `if rank == 0`" in out["error"]
+
+
+def test_a_scheduler_stepped_on_every_rank_passes() -> None:
+    res = run_ranks(_rank_lrs, 2, "all", timeout=TIMEOUT)
+    assert all(out["error"] is None and out["done"] == 3 for out in res), res
+    assert torch.equal(res[0]["params"], res[1]["params"])

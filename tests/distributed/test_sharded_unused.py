@@ -122,11 +122,16 @@ def make_reference(model: SideModel, algo: str) -> list[torch.optim.Optimizer]:
     return [Muon(muon_matrices(model), **MUON_HP), adam]
 
 
-def n_used_flags(model: SideModel) -> int:
-    """One flag per trainable optimizer parameter, one per frozen one (checked for unfreezing), and the
-    four trailing bytes (the GradScaler factor as a max and a min code, "a reduced shard is not finite", and
-    "a late gradient copy with no factor seen")."""
-    return sum(1 for _ in model.parameters()) + 4
+def param_groups_of(algo: str) -> int:
+    """ShardedAdamW over one parameter list: one group; ShardedMuon: a Muon group and an AdamW group."""
+    return 1 if algo == "adamw" else 2
+
+
+def n_used_flags(model: SideModel, algo: str) -> int:
+    """One flag per trainable optimizer parameter, one per frozen one (checked for unfreezing), 8 per param group
+    (its hyperparameters' 4-byte digest and complement), and the four trailing bytes (the GradScaler factor as a
+    max and a min code, "a reduced shard is not finite", and "a late gradient copy with no factor seen")."""
+    return sum(1 for _ in model.parameters()) + 8 * param_groups_of(algo) + 4
 
 
 def _flat(model: nn.Module) -> torch.Tensor:
@@ -201,7 +206,7 @@ def train_and_compare(algo: str, clip: float | None, ckpt: str | None) -> dict:
     ref = SideModel()
     ref_opts = make_reference(ref, algo)
     frozen0 = [p.detach().clone() for p in model.frozen.parameters()]
-    n_flags = n_used_flags(model)
+    n_flags = n_used_flags(model, algo)
     assert opt.used_flags_numel == n_flags
     out: dict = {"norms": [], "ref_norms": [], "untouched": [], "used_records": []}
     for step in range(STEPS):
@@ -314,7 +319,8 @@ def test_unused_parameters_follow_torch(world: int, algo: str, clip: float | Non
             assert abs(a - b) <= 1e-12 * b
         # one uint8 MAX all-reduce of the flags per step: 2(N-1)/N bytes per flag
         f = r["n_flags"]
-        assert f == 18  # 12 trainable parameters (the table included) + the frozen weight and bias + 4
+        # 12 trainable parameters (the table included) + the frozen weight and bias + 8 per group + 4
+        assert f == 18 + 8 * param_groups_of(algo)
         assert r["used_records"] == [[("all_reduce", f, "uint8", 2 * (world - 1) * f // world)]] * STEPS
 
 
