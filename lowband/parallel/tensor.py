@@ -718,13 +718,14 @@ class TPInputGather(nn.Module):
         mine = torch.tensor(_shape_header(tensors), dtype=torch.int64, device=dev)
         buf = torch.empty((n, _HEADER), dtype=torch.int64, device=dev)
         self.comm.all_gather(buf, mine, tag="tp:input_shapes")
-        parsed = [_parse_header(h) for h in buf.tolist()]
+        headers = buf.tolist()
+        parsed = [_parse_header(h) for h in headers]
 
         def joinable(p: list[tuple[int, tuple[int, ...]]] | None) -> Any:  # all but the first sizes
             return None if p is None else [(code, len(shape), shape[1:]) for code, shape in p]
 
         exact = any(p is None for p in parsed)
-        if (exact and any(p != parsed[0] for p in parsed)) or any(joinable(p) != joinable(parsed[0]) for p in parsed):
+        if (exact and any(h != headers[0] for h in headers)) or any(joinable(p) != joinable(parsed[0]) for p in parsed):
             per_rank = "; ".join(f"rank {r}: {_describe(p)}" for r, p in enumerate(parsed))
             raise ValueError(
                 f"TPInputGather: the ranks of TP group {self.comm.name!r} passed tensor arguments that cannot be "

@@ -231,3 +231,33 @@ def test_other_sizes_beyond_the_batch_dimension_are_refused_on_every_rank() -> N
     for r, out in enumerate(run_ranks(_ragged, 2, "seq")):
         assert out["error"] is not None, r
         assert "rank 0: int64(1, 16), int64(1, 16); rank 1: int64(2, 8), int64(2, 8)" in out["error"], out["error"]
+
+
+class _ManyInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = ColumnParallelLinear(6, 4, Comm(), gather_output=True, dtype=torch.float64,
+                                          generator=torch.Generator().manual_seed(0))
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        return self.layer(sum(x[:, :6] for x in xs))
+
+
+def _many_inputs(differ: bool) -> dict[str, Any]:
+    """40 tensor arguments: a header too long to list them, so the ranks must agree exactly (no ragged join)."""
+    rank = dist.get_rank()
+    xs = [torch.full((3, 6), float(k), dtype=torch.float64) for k in range(40)]
+    if differ and rank == 1:
+        xs[-1] = torch.zeros(3, 7, dtype=torch.float64)
+    try:
+        y = TPInputGather(_ManyInputs(), Comm())(*xs)
+    except ValueError as e:
+        return {"error": str(e)}
+    return {"error": None, "shape": tuple(y.shape)}
+
+
+def test_many_tensor_arguments_must_agree_exactly() -> None:
+    same = run_ranks(_many_inputs, 2, False)
+    assert all(out["error"] is None and out["shape"] == (6, 4) for out in same), same
+    for r, out in enumerate(run_ranks(_many_inputs, 2, True)):
+        assert out["error"] is not None and "too many to list" in out["error"], (r, out)
