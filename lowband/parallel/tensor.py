@@ -62,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -275,8 +276,7 @@ def _take_digest_bits(comm: Comm, like: torch.Tensor) -> tuple[torch.Tensor, lis
     comm._tp_digest, comm._tp_digest_names = None, []
     if d is None:
         return -torch.ones(DIGEST_BITS, dtype=like.dtype, device=like.device), []
-    shifts = torch.arange(DIGEST_BITS, device=d.device)
-    bits = (d.to(like.device) >> shifts.to(like.device)) & 1
+    bits = (d.to(like.device) >> torch.arange(DIGEST_BITS, device=like.device)) & 1
     return (bits * 2 - 1).to(like.dtype), names
 
 
@@ -302,9 +302,14 @@ def _mismatch(comm: Comm, name: str, what: str) -> TPCollectiveError:
         "tensor-parallel: keep it out of the plan's parallel_linears so it stays replicated)")
 
 
-def _check_summed(sums: torch.Tensor, comm: Comm, name: str, what: str) -> None:
-    if not bool((sums.abs() == comm.size).all()):
+def _check_tail(agrees: torch.Tensor, comm: Comm, name: str, what: str, inputs: list[str]) -> None:
+    """``agrees``: one bool per check element (``CHECK_ELEMS``, signature first); one host read of both verdicts,
+    the layer signature's before the input digest's."""
+    layer_ok, inputs_ok = torch.stack([agrees[:SITE_BITS].all(), agrees[SITE_BITS:].all()]).tolist()
+    if not layer_ok:
         raise _mismatch(comm, name, what)
+    if not inputs_ok:
+        raise _input_mismatch(comm, name, inputs)
 
 
 def _summed_with_signature(x: torch.Tensor, comm: Comm, site: int | None, name: str, tag: str,
@@ -317,9 +322,7 @@ def _summed_with_signature(x: torch.Tensor, comm: Comm, site: int | None, name: 
     bits, inputs = _take_digest_bits(comm, x)
     flat = torch.cat([x.reshape(-1), _signature(site, x), bits])
     comm.all_reduce(flat, "sum", tag=tag)
-    _check_summed(flat[-CHECK_ELEMS:-DIGEST_BITS], comm, name, what)
-    if not bool((flat[-DIGEST_BITS:].abs() == comm.size).all()):
-        raise _input_mismatch(comm, name, inputs)
+    _check_tail(flat[-CHECK_ELEMS:].abs() == comm.size, comm, name, what, inputs)
     return flat[:-CHECK_ELEMS].view(x.shape)
 
 
@@ -338,10 +341,7 @@ def _gathered_with_signature(x: torch.Tensor, comm: Comm, site: int | None, name
     piece = torch.cat([xc.reshape(-1), sig, bits])
     buf = torch.empty((n, piece.numel()), dtype=xc.dtype, device=xc.device)
     comm.all_gather(buf, piece, tag=tag)
-    if not bool((buf[:, -CHECK_ELEMS:-DIGEST_BITS] == sig).all()):
-        raise _mismatch(comm, name, what)
-    if not bool((buf[:, -DIGEST_BITS:] == bits).all()):
-        raise _input_mismatch(comm, name, inputs)
+    _check_tail((buf[:, -CHECK_ELEMS:] == torch.cat([sig, bits])).all(dim=0), comm, name, what, inputs)
     return buf[:, :-CHECK_ELEMS].reshape(n, *xc.shape)
 
 
@@ -657,12 +657,18 @@ _DTYPES = {d: i for i, d in enumerate((torch.float32, torch.float64, torch.float
                                        torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool))}
 
 
+def _dtype_code(dtype: torch.dtype) -> int:
+    """A dtype's number in the shape header: its index in ``_DTYPES``, else one from its name (the same on every
+    rank; a crc32 of the name: two dtypes sharing one is a 2^-32 chance)."""
+    return _DTYPES.get(dtype, 1000 + zlib.crc32(str(dtype).encode()))
+
+
 def _shape_header(tensors: list[torch.Tensor]) -> list[int]:
     """``[count, (dtype code, ndim, *shape) per tensor]`` padded with -1 to ``_HEADER`` words; a description
     longer than that is ``[-1, digest of it, -1, ...]`` (then the ranks must agree exactly)."""
     words = [len(tensors)]
     for t in tensors:
-        words += [_DTYPES.get(t.dtype, 99), t.dim(), *t.shape]
+        words += [_dtype_code(t.dtype), t.dim(), *t.shape]
     if len(words) > _HEADER:
         words = [-1, hash(tuple(words)) % 2**62]
     return words + [-1] * (_HEADER - len(words))
