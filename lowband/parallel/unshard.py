@@ -14,7 +14,13 @@ per sharded module, in ``named_modules()`` order: a :class:`~lowband.parallel.gt
 :class:`~lowband.parallel.gtp.GTPEmbedding` weight is all-gathered over its GTP group (tag
 ``"gtp:state"``); a :class:`~lowband.parallel.tensor.ColumnParallelLinear` weight and bias, and a
 :class:`~lowband.parallel.tensor.RowParallelLinear` weight, are all-gathered over the TP group (tag
-``"tp:state"``); GTP x TP layers do both (GTP first). Memory: the copy holds the full model.
+``"tp:state"``); GTP x TP layers do both (GTP first).
+
+Memory: the copy holds the full model, on the model's device by default. A model that fits its devices
+only sharded can still be copied out: ``device="cpu"`` moves each layer to host memory right after its
+gather (the device then holds one gathered layer at a time beside the live model, and the replicated
+rest is copied straight to the host), and ``keep=False`` (the ranks that will not use the copy, e.g.
+every rank but the one that writes it) takes part in every gather and keeps nothing (returns ``None``).
 """
 
 from __future__ import annotations
@@ -33,17 +39,34 @@ def _plain(module: nn.Module) -> nn.Module | None:
     return getattr(module, DENSE_METHOD)() if is_sharded_module(module) else None
 
 
+def _copy_onto(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of parameter or buffer ``t`` made directly on ``device`` (what ``copy.deepcopy`` would make there:
+    a parameter of ``t``'s type with its ``requires_grad``; a buffer with its ``requires_grad``)."""
+    data = t.detach().to(device=device, copy=True)
+    if isinstance(t, nn.Parameter):
+        return type(t)(data, t.requires_grad)
+    return data.requires_grad_(t.requires_grad) if t.is_leaf else data
+
+
 @torch.no_grad()
-def unsharded_copy(model: nn.Module) -> nn.Module:
+def unsharded_copy(model: nn.Module, *, device: str | torch.device | None = None,
+                   keep: bool = True) -> nn.Module | None:
     """A plain deep copy of ``model`` with every GTP / TP layer replaced by its dense equivalent.
 
-    Collective: every rank of the model's GTP and TP groups must call it (see the module docstring).
-    A :class:`~lowband.parallel.tensor.TPInputGather` wrapper is dropped (the copy takes the whole
-    batch itself). Tied parameters stay tied; parameters keep ``requires_grad``. The copy's weights
-    are identical on every rank, so rank 0 may evaluate it alone.
+    Collective: every rank of the model's GTP and TP groups must call it (see the module docstring),
+    with any ``device`` and ``keep``. A :class:`~lowband.parallel.tensor.TPInputGather` wrapper is
+    dropped (the copy takes the whole batch itself). Tied parameters stay tied; parameters keep
+    ``requires_grad``. The copy's weights are identical on every rank, so rank 0 may evaluate it alone.
+
+    Args:
+        model: the sharded (or plain) model; untouched.
+        device: where the copy's tensors live; ``None`` (default): where the model's are. ``"cpu"`` bounds the
+            accelerator's extra memory to one gathered layer (see the module docstring).
+        keep: ``False`` takes part in the gathers, keeps nothing and returns ``None``.
     """
     if isinstance(model, TPInputGather):
         model = model.module
+    target = None if device is None else torch.device(device)
     memo: dict[int, object] = {}
     replaced: list[str] = []
     for name, module in model.named_modules():
@@ -51,8 +74,20 @@ def unsharded_copy(model: nn.Module) -> nn.Module:
             continue  # already gathered, or inside a replaced layer (a GTP x TP layer's inner GTPLinear)
         plain = _plain(module)
         if plain is not None:
-            memo[id(module)] = plain
             replaced.append(name)
+            if target is not None:
+                plain = plain.to(target)  # leaves the device before the next layer is gathered
+            memo[id(module)] = plain if keep else None
+            del plain
+    if not keep:
+        return None
     if id(model) in memo:
         return memo[id(model)]  # type: ignore[return-value]
+    if target is not None:  # the replicated rest straight onto the target (deepcopy would copy it on the model's
+        # device first); ties stay ties: one copy per tensor, found again through the memo
+        sharded = {id(t) for name, m in model.named_modules() if name in replaced
+                   for t in [*m.parameters(), *m.buffers()]}  # shards: the gathered layers replace them
+        for t in [*model.parameters(), *model.buffers()]:
+            if id(t) not in memo and id(t) not in sharded:
+                memo[id(t)] = _copy_onto(t, target)
     return copy.deepcopy(model, memo)

@@ -8,17 +8,20 @@ written; it produces ``<run dir>/model.safetensors`` and ``model.json`` in the f
   (``strategy.unwrapped()``; the sharded optimizers first wait for their in-flight parameter
   all-gathers); rank 0's is written as it is, without a copy. No communication.
 * ``gtp``, ``tp`` (any model with GTP or tensor-parallel layers): :func:`lowband.parallel.unsharded_copy`
-  gathers the full logical weights into a plain copy on every rank (collective over the GTP / TP
-  groups, tags ``gtp:state`` / ``tp:state``, see :mod:`lowband.parallel.unshard`).
+  gathers the full logical weights (collective over the GTP / TP groups, tags ``gtp:state`` / ``tp:state``,
+  see :mod:`lowband.parallel.unshard`), layer by layer into host memory on rank 0; the other ranks take part
+  in the gathers and keep nothing. No device holds more than the live model and one gathered layer.
 * ``diloco``: the **average of the replicas' live models**, ``global + mean_r(local_r - global)`` per
   fragment, i.e. what an outer step with plain averaging would make of the current local work. It is
   symmetric in the replicas, equals every replica's model when they agree (one replica, or just after
-  every fragment was synced with ``diloco.alpha = 0``) and costs one all-reduce of the model over the
-  replica group (fp32, fp64 for fp64 models; tag ``export``): the bytes of one fp32 sync of every
-  fragment, once per run. A fragment's pseudo-gradient still in flight is waited for first (so the
-  export's collective is issued in the same order on every rank) and is not applied. With GTP inside
-  the replicas (``diloco.inner = "gtp"``) each rank first gathers its replica's full weights as above,
-  then the gathered copies are averaged.
+  every fragment was synced with ``diloco.alpha = 0``) and costs the bytes of one all-reduce of the model
+  over the replica group (fp32, fp64 for fp64 models; tag ``export``), in buckets of at most
+  :data:`EXPORT_BUCKET_BYTES` (the device holds one bucket at a time beside the live model; rank 0 writes
+  each averaged bucket into its host copy): the bytes of one fp32 sync of every fragment, once per run. A
+  fragment's pseudo-gradient still in flight is waited for first (so the export's collective is issued in
+  the same order on every rank) and is not applied. With GTP inside the replicas (``diloco.inner = "gtp"``)
+  each rank first gathers its replica's full weights into host memory as above (every rank: each adds its
+  copy to the average), then the host copies are averaged bucket by bucket on the device.
 
 Collectives happen on every rank alike, in the same order; only rank 0 writes, to temporary names
 renamed into place, so a crash never leaves a half-written ``model.safetensors`` (nor new weights
@@ -30,7 +33,6 @@ Tied parameters are stored once (:func:`file_tensors`; see :mod:`lowband.train.t
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 from pathlib import Path
@@ -62,52 +64,117 @@ def _is_sharded(model: nn.Module) -> bool:
     return any(is_sharded_module(m) or isinstance(m, TPInputGather) for m in model.modules())
 
 
-@torch.no_grad()
-def _average_over(comm: Any, model: nn.Module) -> None:
-    """Average every floating-point parameter and buffer of ``model`` over ``comm``, in place: one flat
-    all-reduce (avg, tag ``export``) in fp64 if any tensor is fp64, else fp32; tied tensors once."""
+EXPORT_BUCKET_BYTES = 16 << 20
+"""Bytes (in the accumulation dtype) of one all-reduce of the DiLoCo export's average: the device holds one such
+bucket at a time beside the live model, never a second copy of the model."""
+
+
+def _tensors(model: nn.Module) -> list[torch.Tensor]:
+    """``model``'s floating-point parameters and buffers in registration order, tied ones once."""
     seen: set[int] = set()
-    tensors: list[torch.Tensor] = []
+    out: list[torch.Tensor] = []
     for t in [*model.parameters(), *model.buffers()]:
         if t.is_floating_point() and id(t) not in seen:
             seen.add(id(t))
-            tensors.append(t)
-    if not tensors or comm.size == 1:
+            out.append(t)
+    return out
+
+
+def _buckets(sizes: list[int], cap: int) -> list[list[tuple[int, int, int]]]:
+    """Consecutive ``(tensor index, start, end)`` element ranges of the tensors laid end to end, cut into buckets
+    of at most ``cap`` elements (a tensor larger than a bucket spans several)."""
+    out: list[list[tuple[int, int, int]]] = [[]]
+    filled = 0
+    for i, n in enumerate(sizes):
+        pos = 0
+        while pos < n:
+            if filled == cap:
+                out.append([])
+                filled = 0
+            take = min(n - pos, cap - filled)
+            out[-1].append((i, pos, pos + take))
+            pos, filled = pos + take, filled + take
+    return [b for b in out if b]
+
+
+@torch.no_grad()
+def _average_over(comm: Any, source: nn.Module, dest: nn.Module | None, *, device: torch.device | None = None,
+                  bucket_bytes: int = EXPORT_BUCKET_BYTES) -> None:
+    """Write into ``dest`` the average over ``comm`` of ``source``'s floating-point parameters and buffers.
+
+    ``dest`` has ``source``'s structure (a copy of it, on any device, or ``source`` itself) or is ``None`` on a rank
+    that keeps nothing. The tensors, laid end to end in registration order (tied ones once), are all-reduced (avg,
+    tag ``export``) in buckets of at most ``bucket_bytes`` on ``device`` (default: ``source``'s; the one ``comm``
+    runs on), in fp64 if any tensor is fp64,
+    else fp32: the bytes of one all-reduce of the whole model, and one bucket at a time on the device. Each
+    element's value is the one a single all-reduce of the whole model gives (an average is elementwise).
+    """
+    src = _tensors(source)
+    dst = _tensors(dest) if dest is not None else None
+    if dst is not None and [t.shape for t in dst] != [t.shape for t in src]:
+        raise ValueError("export: the copy's tensors do not match the model's")  # a bug, never a user's input
+    if not src or comm.size == 1:
+        if dst is not None and dest is not source:
+            for d, t in zip(dst, src, strict=True):
+                d.copy_(t)
         return
-    acc = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-    flat = torch.cat([t.detach().reshape(-1).to(acc) for t in tensors])
-    comm.all_reduce(flat, "avg", tag="export")
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
+    acc = torch.float64 if any(t.dtype == torch.float64 for t in src) else torch.float32
+    device = src[0].device if device is None else device
+    cap = max(1, bucket_bytes // acc.itemsize)
+    flat_dst = None if dst is None else [d.view(-1) if d.is_contiguous() else d.reshape(-1) for d in dst]
+    for bucket in _buckets([t.numel() for t in src], cap):
+        flat = torch.cat([src[i].detach().reshape(-1)[a:b].to(device=device, dtype=acc) for i, a, b in bucket])
+        comm.all_reduce(flat, "avg", tag="export")
+        if flat_dst is None:
+            continue
+        offset = 0
+        for i, a, b in bucket:
+            flat_dst[i][a:b].copy_(flat[offset:offset + b - a])
+            offset += b - a
+            if b == src[i].numel() and not dst[i].is_contiguous():  # written through a copy: put it in place
+                dst[i].copy_(flat_dst[i].view(dst[i].shape))
 
 
-def plain_model(strategy: Strategy) -> tuple[nn.Module, str]:
+def _host_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of a plain ``model`` with every parameter and buffer copied straight to host memory."""
+    from lowband.parallel.unshard import unsharded_copy
+
+    copied = unsharded_copy(model, device="cpu")
+    assert copied is not None
+    return copied
+
+
+def plain_model(strategy: Strategy, *, keep: bool = True) -> tuple[nn.Module | None, str]:
     """The model to export and a one-line description of which copy it is (collective; see module docstring).
 
     Returns ``(module, source)``; ``module`` is the live model when no gather or averaging was needed
-    (do not modify it), else a plain copy.
+    (do not modify it), else a plain copy in host memory (the device holds at most one gathered layer or one
+    bucket of the average at a time beside the live model). ``keep=False`` (the ranks that do not write) takes
+    part in every collective and returns ``None`` where a copy would have been made.
     """
     from lowband.train.strategies.diloco import DilocoStrategy
 
     live = strategy.unwrapped()
-    model, source = live, f"the model every rank holds ({strategy.name})"
-    if _is_sharded(live):
+    sharded = _is_sharded(live)
+    if not isinstance(strategy, DilocoStrategy):
+        if not sharded:
+            return live, f"the model every rank holds ({strategy.name})"
         from lowband.parallel import unsharded_copy
 
-        model, source = unsharded_copy(live), f"the gathered full weights ({strategy.name})"
-    if isinstance(strategy, DilocoStrategy):
-        diloco = strategy.diloco
-        diloco.wait_inflight()  # same order on every rank before the export's collective on the same group
-        if diloco.comm.size > 1:
-            if model is live:
-                model = copy.deepcopy(live)
-            _average_over(diloco.comm, model)
-            source = f"the average of the {diloco.comm.size} replicas' models (diloco)"
-        else:
-            source = "the model of the only replica (diloco)"
-    return model, source
+        return unsharded_copy(live, device="cpu", keep=keep), f"the gathered full weights ({strategy.name})"
+    diloco = strategy.diloco
+    source: nn.Module = live
+    if sharded:  # every rank needs its replica's full weights (on the host) to add them to the average
+        from lowband.parallel import unsharded_copy
+
+        source = unsharded_copy(live, device="cpu")  # type: ignore[assignment]
+    diloco.wait_inflight()  # same order on every rank before the export's collective on the same group
+    if diloco.comm.size == 1:
+        return (source if keep else None), "the model of the only replica (diloco)"
+    dest = (source if sharded else _host_copy(live)) if keep else None
+    device = next(iter(live.parameters())).device  # the one the replica group's collectives run on
+    _average_over(diloco.comm, source, dest, device=device)
+    return dest, f"the average of the {diloco.comm.size} replicas' models (diloco)"
 
 
 def _factory_spec(cfg: Config, model_factory: ModelFactory | None) -> tuple[str | None, str]:
@@ -210,10 +277,11 @@ def export_model(strategy: Strategy, cfg: Config, env: DistEnv, run_dir: Path, *
     Raises:
         ExportError: rank 0 could not write the files (on every rank, after rank 0's attempt).
     """
-    model, source = plain_model(strategy)
+    model, source = plain_model(strategy, keep=env.is_main)  # only the writer keeps a gathered copy
     error = ""
     path: Path | None = None
     if env.is_main:
+        assert model is not None
         meta = model_meta(model, cfg, strategy=strategy, world_size=env.world_size, step=step, source=source,
                           model_factory=model_factory)
         try:
