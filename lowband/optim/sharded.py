@@ -1758,7 +1758,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 new["steps"] = [int(x) for x in steps]
             self.state[int(ui)] = new
 
-    def full_state_dict(self) -> dict:
+    def full_state_dict(self, *, cpu_offload: bool = False, rank0_only: bool = False) -> dict:
         """The whole optimizer state in ``torch.optim`` format, identical on every rank (collective).
 
         ``{"state": {param_index: {"step", "exp_avg", "exp_avg_sq"} | {"momentum_buffer"}},
@@ -1768,33 +1768,47 @@ class ShardedOptimizer(torch.optim.Optimizer):
         moments and its master). Every rank must call it; it issues one all-gather per state tensor
         per unit that has state (``tag="state"``), on a group of its own whose timeout is
         ``state_timeout``: called on some ranks only, it ends with one line after that time.
+
+        State too large to gather on one device: each state tensor of a unit is gathered, cut into its
+        parameters' entries and released before the next one, so beside the result the device holds one
+        gathered state tensor of one unit at a time. ``cpu_offload=True`` puts the entries in host memory
+        as they are cut (the device then holds only that one tensor), ``rank0_only=True`` keeps them on
+        the optimizer group's rank 0 only: the other ranks take part in every gather and return ``{}``
+        (torch's ``get_optimizer_state_dict`` with ``StateDictOptions(full_state_dict=True,
+        cpu_offload=True)`` does both). Same collectives and bytes either way.
         """
         with self._state_call("full_state_dict"):
-            return self._full_state_dict()
+            return self._full_state_dict(cpu_offload=cpu_offload, rank0_only=rank0_only)
 
     @torch.no_grad()
-    def _full_state_dict(self) -> dict:
+    def _full_state_dict(self, *, cpu_offload: bool = False, rank0_only: bool = False) -> dict:
         self._wait_gathers()
         rank = self.comm.rank
+        keep = not rank0_only or rank == 0
         out: dict[int, dict] = {}
+
+        def entry(full: torch.Tensor, start: int, numel: int, shape: torch.Size) -> torch.Tensor:
+            piece = full[start:start + numel].view(shape)
+            return piece.to("cpu", copy=True) if cpu_offload else piece.clone()
+
         for ui, unit in enumerate(self._units):
             st = self.state.get(ui)
             lay = unit.layout
             if not st:
                 continue
             if lay.kind == "adamw":
-                fulls = {}
-                for key in ("exp_avg", "exp_avg_sq"):
+                keep_unstepped = self._needs_master(unit)  # its master is state even before a first use
+                kept = [(mi, m) for mi, m in enumerate(lay.members)  # never used: no state, as in torch
+                        if st["steps"][mi] != 0 or keep_unstepped]
+                for mi, m in kept:
+                    out[m.index] = {"step": torch.tensor(float(st["steps"][mi]), dtype=torch.float32)}
+                for key in ("exp_avg", "exp_avg_sq"):  # one gathered tensor alive at a time
                     full = torch.empty(lay.numel, dtype=st[key].dtype, device=st[key].device)
                     self._state_comm.all_gather(full, st[key], tag="state")
-                    fulls[key] = full
-                keep_unstepped = self._needs_master(unit)  # its master is state even before a first use
-                for mi, m in enumerate(lay.members):
-                    if st["steps"][mi] == 0 and not keep_unstepped:  # never used: no state, as in torch
-                        continue
-                    out[m.index] = {"step": torch.tensor(float(st["steps"][mi]), dtype=torch.float32),
-                                    **{k: f[m.offset:m.offset + m.numel].view(m.shape).clone()
-                                       for k, f in fulls.items()}}
+                    for _mi, m in kept:
+                        if keep:
+                            out[m.index][key] = entry(full, m.offset, m.numel, m.shape)
+                    del full
             else:
                 assert lay.matrix_shape is not None and lay.real_per_rank is not None
                 rows, cols = lay.matrix_shape
@@ -1804,14 +1818,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 chunk[:lay.real_per_rank[rank]].copy_(mom)
                 full = torch.empty(lay.numel, dtype=mom.dtype, device=mom.device)
                 self._state_comm.all_gather(full, chunk, tag="state")
-                full3 = full.view(-1, rows, cols)
+                del chunk
                 for m in lay.members:
-                    out[m.index] = {"momentum_buffer": full3[m.offset // (rows * cols)].clone()}
+                    out[m.index] = {"momentum_buffer": entry(full, m.offset, rows * cols, torch.Size((rows, cols)))
+                                    if keep else None}
+                del full
             if self._needs_master(unit):
                 master = self._gather_master(ui)
                 for m in lay.members:
-                    if m.index in out:
-                        out[m.index]["master"] = master[m.offset:m.offset + m.numel].view(m.shape).clone()
+                    if m.index in out and keep:
+                        out[m.index]["master"] = entry(master, m.offset, m.numel, m.shape)
+                del master
+        if not keep:
+            return {}
         return {"state": dict(sorted(out.items())), "param_groups": self._packed_groups()}
 
     def _needs_master(self, unit: _Unit) -> bool:
