@@ -63,6 +63,9 @@ def unsharded_copy(model: nn.Module, *, device: str | torch.device | None = None
         device: where the copy's tensors live; ``None`` (default): where the model's are. ``"cpu"`` bounds the
             accelerator's extra memory to one gathered layer (see the module docstring).
         keep: ``False`` takes part in the gathers, keeps nothing and returns ``None``.
+
+    With ``device``, tensors a module keeps as plain attributes (neither parameter nor buffer) are deep-copied
+    where they are, as ``nn.Module.to`` leaves them.
     """
     if isinstance(model, TPInputGather):
         model = model.module

@@ -121,9 +121,10 @@ def _average_over(comm: Any, source: nn.Module, dest: nn.Module | None, *, devic
     acc = torch.float64 if any(t.dtype == torch.float64 for t in src) else torch.float32
     device = src[0].device if device is None else device
     cap = max(1, bucket_bytes // acc.itemsize)
+    flat_src = [t.detach().reshape(-1) for t in src]  # views (a copy for a rare non-contiguous tensor)
     flat_dst = None if dst is None else [d.view(-1) if d.is_contiguous() else d.reshape(-1) for d in dst]
     for bucket in _buckets([t.numel() for t in src], cap):
-        flat = torch.cat([src[i].detach().reshape(-1)[a:b].to(device=device, dtype=acc) for i, a, b in bucket])
+        flat = torch.cat([flat_src[i][a:b].to(device=device, dtype=acc) for i, a, b in bucket])
         comm.all_reduce(flat, "avg", tag="export")
         if flat_dst is None:
             continue
