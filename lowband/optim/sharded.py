@@ -1854,49 +1854,121 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return full
 
     @torch.no_grad()
-    def load_full_state_dict(self, state_dict: dict) -> None:
+    def load_full_state_dict(self, state_dict: dict | None, *, from_rank0: bool = False) -> None:
         """Load a :meth:`full_state_dict` (or a ``torch.optim.AdamW`` state dict for AdamW groups),
         taking this rank's slices; no communication, any world size. A parameter missing from
-        ``state`` has not stepped yet (zeros, AdamW step 0); each AdamW parameter keeps its own step."""
+        ``state`` has not stepped yet (zeros, AdamW step 0); each AdamW parameter keeps its own step.
+
+        ``from_rank0=True`` (collective over the optimizer's group, on its state group with ``state_timeout``):
+        only the group's rank 0 passes the state dict (the others pass ``None``), e.g. the file rank 0 saved from
+        ``full_state_dict(cpu_offload=True, rank0_only=True)``; no other rank ever holds the whole state. Rank 0
+        sends the structure (parameter groups, which entries exist, their shapes and dtypes; one
+        ``all_gather_object``), then each state tensor, parameter by parameter, unit by unit (one ``broadcast``
+        each, ``tag="state"``, on the optimizer's device), and every rank takes its slices before the next unit
+        (torch's ``set_optimizer_state_dict`` with ``StateDictOptions(full_state_dict=True,
+        broadcast_from_rank0=True)``). A state dict rank 0 cannot load is refused on every rank, with rank 0's
+        error.
+        """
+        if from_rank0:
+            self._load_full_from_rank0(state_dict)
+            return
+        if state_dict is None:
+            raise ValueError("load_full_state_dict: no state dict (None); pass from_rank0=True when only rank 0 "
+                             "holds it")
+        saved = self._saved_by_index(state_dict)
+        self.state.clear()
+        for ui in range(len(self._units)):
+            self._load_unit(ui, saved)
+
+    def _saved_by_index(self, state_dict: dict) -> dict[int, dict]:
+        """A full state dict's entries keyed by flat parameter index (its param groups checked and loaded)."""
         if state_dict.get("_indexed"):
-            saved = {int(k): v for k, v in state_dict["state"].items()}
             self._load_groups(state_dict["param_groups"], "load_full_state_dict")
-        else:
-            saved = self._index_state(state_dict, "load_full_state_dict")
-        rank = self.comm.rank
+            return {int(k): v for k, v in state_dict["state"].items()}
+        return self._index_state(state_dict, "load_full_state_dict")
+
+    def _load_full_from_rank0(self, state_dict: dict | None) -> None:
+        """:meth:`load_full_state_dict` with ``from_rank0=True`` (see there)."""
+        comm, root = self._state_comm, self.comm.rank == 0
+        header: dict[str, Any] = {}
+        saved: dict[int, dict] = {}
+        if root:
+            try:
+                if state_dict is None:
+                    raise ValueError("load_full_state_dict(from_rank0=True): rank 0 passed no state dict (None)")
+                groups = state_dict["param_groups"]
+                saved = self._saved_by_index(state_dict)
+                header = {"groups": groups, "entries": {
+                    i: {k: (("tensor", tuple(v.shape), str(v.dtype).removeprefix("torch."))
+                            if isinstance(v, torch.Tensor) and k != "step" else ("value", float(v)))
+                        for k, v in st.items()} for i, st in saved.items()}}
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                header = {"error": f"{type(e).__name__}: {e}"}
+        with self._state_call("load_full_state_dict"):
+            header = comm.all_gather_object(header if root else None, tag="state")[0]
+        if "error" in header:
+            raise ValueError(f"load_full_state_dict(from_rank0=True): rank 0 could not load its state dict "
+                             f"({header['error']})")
+        if not root:
+            self._load_groups(header["groups"], "load_full_state_dict")
+        entries: dict[int, dict] = {int(i): st for i, st in header["entries"].items()}
         self.state.clear()
         for ui, unit in enumerate(self._units):
-            lay = unit.layout
-            present = [m for m in lay.members if m.index in saved]
-            if not present:
-                continue
-            acc, dev = unit.grad_shard.dtype, unit.grad_shard.device
-            if lay.kind == "adamw":
-                lo, hi = lay.owner_range(rank)
-                st: dict[str, Any] = {"steps": [int(float(saved[m.index]["step"])) if m.index in saved else 0
-                                                for m in lay.members]}
-                for key in ("exp_avg", "exp_avg_sq"):
-                    shard = torch.zeros(lay.shard_numel, dtype=acc, device=dev)
-                    for m in present:
-                        a, b = max(lo, m.offset), min(hi, m.offset + m.numel)
-                        if a < b:
-                            src = saved[m.index][key].reshape(-1)
-                            shard[a - lo:b - lo].copy_(src[a - m.offset:b - m.offset])
-                    st[key] = shard
-                self.state[ui] = st
-            else:
-                assert lay.matrix_shape is not None and lay.real_per_rank is not None
-                rows, cols = lay.matrix_shape
-                c = lay.slots_per_rank
-                real = lay.real_per_rank[rank]
-                mom = torch.zeros(real, rows, cols, dtype=acc, device=dev)
+            dev = unit.grad_shard.device
+            part: dict[int, dict] = {}
+            for m in unit.layout.members:
+                if m.index not in entries:
+                    continue
+                part[m.index] = {}
+                for key, (kind, *spec) in entries[m.index].items():
+                    if kind == "value":
+                        part[m.index][key] = torch.tensor(spec[0])
+                        continue
+                    shape, dtype = spec
+                    if root:  # one tensor at a time on the device (read only: every rank copies its slices)
+                        t = saved[m.index][key].detach().to(device=dev).contiguous()
+                    else:
+                        t = torch.empty(shape, dtype=getattr(torch, dtype), device=dev)
+                    with self._state_call("load_full_state_dict"):
+                        comm.broadcast(t, 0, tag="state")
+                    part[m.index][key] = t
+            self._load_unit(ui, part)
+
+    def _load_unit(self, ui: int, saved: dict[int, dict]) -> None:
+        """Take this rank's slices of unit ``ui``'s entries in ``saved`` (keyed by flat parameter index)."""
+        rank = self.comm.rank
+        unit = self._units[ui]
+        lay = unit.layout
+        present = [m for m in lay.members if m.index in saved]
+        if not present:
+            return
+        acc, dev = unit.grad_shard.dtype, unit.grad_shard.device
+        if lay.kind == "adamw":
+            lo, hi = lay.owner_range(rank)
+            st: dict[str, Any] = {"steps": [int(float(saved[m.index]["step"])) if m.index in saved else 0
+                                            for m in lay.members]}
+            for key in ("exp_avg", "exp_avg_sq"):
+                shard = torch.zeros(lay.shard_numel, dtype=acc, device=dev)
                 for m in present:
-                    slot = m.offset // (rows * cols) - rank * c
-                    if 0 <= slot < real:
-                        mom[slot].copy_(saved[m.index]["momentum_buffer"])
-                self.state[ui] = {"momentum_buffer": mom}
-            if self._needs_master(unit) and all("master" in saved[m.index] for m in present):
-                self._install_master(ui, {m.index: saved[m.index]["master"] for m in present})
+                    a, b = max(lo, m.offset), min(hi, m.offset + m.numel)
+                    if a < b:
+                        src = saved[m.index][key].reshape(-1)
+                        shard[a - lo:b - lo].copy_(src[a - m.offset:b - m.offset])
+                st[key] = shard
+            self.state[ui] = st
+        else:
+            assert lay.matrix_shape is not None and lay.real_per_rank is not None
+            rows, cols = lay.matrix_shape
+            c = lay.slots_per_rank
+            real = lay.real_per_rank[rank]
+            mom = torch.zeros(real, rows, cols, dtype=acc, device=dev)
+            for m in present:
+                slot = m.offset // (rows * cols) - rank * c
+                if 0 <= slot < real:
+                    mom[slot].copy_(saved[m.index]["momentum_buffer"])
+            self.state[ui] = {"momentum_buffer": mom}
+        if self._needs_master(unit) and all("master" in saved[m.index] for m in present):
+            self._install_master(ui, {m.index: saved[m.index]["master"] for m in present})
 
     def _install_owned(self, owned: dict[int, dict[str, torch.Tensor]], keyed: dict[int, dict]) -> None:
         """Install this rank's owned state per unit (1-D over its owned range, from

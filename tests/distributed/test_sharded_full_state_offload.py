@@ -1,6 +1,7 @@
 """``ShardedOptimizer.full_state_dict(cpu_offload=..., rank0_only=...)``: the gathered torch-format state
 in host memory, kept on the optimizer group's rank 0 only (torch's ``get_optimizer_state_dict`` with
-``StateDictOptions(full_state_dict=True, cpu_offload=True)``).
+``StateDictOptions(full_state_dict=True, cpu_offload=True)``), and ``load_full_state_dict(sd, from_rank0=True)``
+where only rank 0 holds it (torch's ``broadcast_from_rank0``).
 
 Reference: the plain ``full_state_dict()`` of the same optimizer (checked against torch AdamW / Muon by
 the other sharded-optimizer tests). Every form must hold the same bits, issue the same collectives with
@@ -62,11 +63,10 @@ def _forms(kind: str) -> dict:
             and _flat(plain).keys() == _flat(offload).keys() == _flat(rank0).keys() \
             and plain["param_groups"] == rank0["param_groups"]
         out["on_cpu"] = all(v.device.type == "cpu" for v in _flat(rank0).values())
-        before = opt.full_state_dict()  # every rank calls it below too
-        for v in _flat(rank0).values():
-            v.add_(1.0)  # the result owns its tensors
-    else:
-        opt.full_state_dict()
+    before = opt.full_state_dict()
+    scratch = opt.full_state_dict(cpu_offload=True, rank0_only=True)
+    for v in _flat(scratch).values():
+        v.add_(1.0)  # the result owns its tensors
     after = opt.full_state_dict()
     if dist.get_rank() == 0:
         out["untouched"] = all(after["state"][i][k].equal(v) for (i, k), v in _flat(before).items())
@@ -79,7 +79,31 @@ def _forms(kind: str) -> dict:
     opt2.load_full_state_dict(saved)
     _steps(model2, opt2, range(2, 4))
     out["resume_exact"] = all(a.equal(b) for a, b in zip(straight, model2.parameters(), strict=True))
+    # rank 0's file only: every other rank passes None and receives its slices
+    model3, opt3 = _build(kind)
+    model3.load_state_dict(weights_after_two)
+    start = len(led.records)
+    opt3.load_full_state_dict(rank0 if dist.get_rank() == 0 else None, from_rank0=True)
+    recs = led.records[start:]
+    out["broadcast_numel"] = sum(r.numel for r in recs if r.op == "broadcast")
+    out["entry_numel"] = sum(v.numel() for (_, k), v in _flat(plain).items() if k != "step")
+    out["ops"] = sorted({(r.op, r.tag) for r in recs})
+    _steps(model3, opt3, range(2, 4))
+    out["from_rank0_exact"] = all(a.equal(b) for a, b in zip(straight, model3.parameters(), strict=True))
     return out
+
+
+def _refused(kind: str) -> str:
+    model, opt = _build(kind)
+    _steps(model, opt, range(1))
+    sd = opt.full_state_dict(rank0_only=True)
+    if dist.get_rank() == 0:
+        sd["param_groups"] = sd["param_groups"][:1] + sd["param_groups"]  # one group too many
+    try:
+        opt.load_full_state_dict(sd or None, from_rank0=True)
+    except ValueError as e:
+        return str(e)
+    return "loaded"
 
 
 @pytest.mark.parametrize(("kind", "world"), [("adamw", 2), ("adamw", 4), ("muon", 2)])
@@ -90,3 +114,13 @@ def test_offloaded_and_rank0_only_full_state(kind: str, world: int) -> None:
         assert o["rank0_empty"] == (r != 0)
         assert o["resume_exact"]
     assert res[0]["equal"] and res[0]["on_cpu"] and res[0]["untouched"]
+    for o in res:  # the structure once, then every state tensor from rank 0: exactly the entries' elements
+        assert o["from_rank0_exact"]
+        assert o["ops"] == [("all_gather_object", "state"), ("broadcast", "state")]
+        assert o["broadcast_numel"] == res[0]["entry_numel"] > 0
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_state_dict_rank0_cannot_load_is_refused_on_every_rank(world: int) -> None:
+    msgs = run_ranks(_refused, world, "adamw")
+    assert len(set(msgs)) == 1 and "rank 0 could not load" in msgs[0] and "param_groups" in msgs[0]
