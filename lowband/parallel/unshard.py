@@ -26,6 +26,7 @@ every rank but the one that writes it) takes part in every gather and keeps noth
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -49,8 +50,8 @@ def _copy_onto(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def unsharded_copy(model: nn.Module, *, device: str | torch.device | None = None,
-                   keep: bool = True) -> nn.Module | None:
+def unsharded_copy(model: nn.Module, *, device: str | torch.device | None = None, keep: bool = True,
+                   each_layer: Callable[[nn.Module], None] | None = None) -> nn.Module | None:
     """A plain deep copy of ``model`` with every GTP / TP layer replaced by its dense equivalent.
 
     Collective: every rank of the model's GTP and TP groups must call it (see the module docstring),
@@ -63,6 +64,9 @@ def unsharded_copy(model: nn.Module, *, device: str | torch.device | None = None
         device: where the copy's tensors live; ``None`` (default): where the model's are. ``"cpu"`` bounds the
             accelerator's extra memory to one gathered layer (see the module docstring).
         keep: ``False`` takes part in the gathers, keeps nothing and returns ``None``.
+        each_layer: called with each gathered dense layer, still on the model's device, before it moves to
+            ``device`` (every rank, in ``named_modules()`` order; it may change the layer in place and issue
+            collectives of its own, e.g. the trainer's export averages each layer over DiLoCo replicas).
 
     With ``device``, tensors a module keeps as plain attributes (neither parameter nor buffer) are deep-copied
     where they are, as ``nn.Module.to`` leaves them.
@@ -78,6 +82,8 @@ def unsharded_copy(model: nn.Module, *, device: str | torch.device | None = None
         plain = _plain(module)
         if plain is not None:
             replaced.append(name)
+            if each_layer is not None:
+                each_layer(plain)
             if target is not None:
                 plain = plain.to(target)  # leaves the device before the next layer is gathered
             memo[id(module)] = plain if keep else None

@@ -20,8 +20,9 @@ written; it produces ``<run dir>/model.safetensors`` and ``model.json`` in the f
   each averaged bucket into its host copy): the bytes of one fp32 sync of every fragment, once per run. A
   fragment's pseudo-gradient still in flight is waited for first (so the export's collective is issued in
   the same order on every rank) and is not applied. With GTP inside the replicas (``diloco.inner = "gtp"``)
-  each rank first gathers its replica's full weights into host memory as above (every rank: each adds its
-  copy to the average), then the host copies are averaged bucket by bucket on the device.
+  each gathered layer is averaged over the replicas on the device as soon as it is gathered (the same
+  bytes as averaging the gathered model: every GTP rank sends its whole layer), then moves to rank 0's host
+  copy or is dropped; the replicated rest is averaged straight from the live model.
 
 Collectives happen on every rank alike, in the same order; only rank 0 writes, to temporary names
 renamed into place, so a crash never leaves a half-written ``model.safetensors`` (nor new weights
@@ -97,36 +98,34 @@ def _buckets(sizes: list[int], cap: int) -> list[list[tuple[int, int, int]]]:
     return [b for b in out if b]
 
 
-@torch.no_grad()
-def _average_over(comm: Any, source: nn.Module, dest: nn.Module | None, *, device: torch.device | None = None,
-                  bucket_bytes: int = EXPORT_BUCKET_BYTES) -> None:
-    """Write into ``dest`` the average over ``comm`` of ``source``'s floating-point parameters and buffers.
+def _acc_dtype(tensors: list[torch.Tensor]) -> torch.dtype:
+    """The export average's accumulation dtype: fp64 if any tensor is fp64, else fp32."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
-    ``dest`` has ``source``'s structure (a copy of it, on any device, or ``source`` itself) or is ``None`` on a rank
-    that keeps nothing. The tensors, laid end to end in registration order (tied ones once), are all-reduced (avg,
-    tag ``export``) in buckets of at most ``bucket_bytes`` on ``device`` (default: ``source``'s; the one ``comm``
-    runs on), in fp64 if any tensor is fp64,
-    else fp32: the bytes of one all-reduce of the whole model, and one bucket at a time on the device. Each
-    element's value is the one a single all-reduce of the whole model gives (an average is elementwise).
-    """
-    src = _tensors(source)
-    dst = _tensors(dest) if dest is not None else None
+
+@torch.no_grad()
+def _average_tensors(comm: Any, src: list[torch.Tensor], dst: list[torch.Tensor] | None, *, device: torch.device,
+                     acc: torch.dtype, bucket_bytes: int = EXPORT_BUCKET_BYTES) -> None:
+    """Write into ``dst`` (tensors of ``src``'s shapes, on any device, or ``src`` itself; ``None`` on a rank that
+    keeps nothing) the average over ``comm`` of ``src``: laid end to end, all-reduced (avg, tag ``export``) in
+    ``acc`` in buckets of at most ``bucket_bytes`` on ``device`` (the one ``comm`` runs on). On 2 replicas each
+    element equals one all-reduce of the whole model (``a + b`` in either order); on more, it is within the rounding
+    of an fp32 / fp64 sum of their values (gloo's summation order follows the buckets)."""
     if dst is not None and [t.shape for t in dst] != [t.shape for t in src]:
         raise ValueError("export: the copy's tensors do not match the model's")  # a bug, never a user's input
     if not src or comm.size == 1:
-        if dst is not None and dest is not source:
+        if dst is not None:
             for d, t in zip(dst, src, strict=True):
-                d.copy_(t)
+                if d is not t:
+                    d.copy_(t)
         return
-    acc = torch.float64 if any(t.dtype == torch.float64 for t in src) else torch.float32
-    device = src[0].device if device is None else device
     cap = max(1, bucket_bytes // acc.itemsize)
     flat_src = [t.detach().reshape(-1) for t in src]  # views (a copy for a rare non-contiguous tensor)
     flat_dst = None if dst is None else [d.view(-1) if d.is_contiguous() else d.reshape(-1) for d in dst]
     for bucket in _buckets([t.numel() for t in src], cap):
         flat = torch.cat([flat_src[i][a:b].to(device=device, dtype=acc) for i, a, b in bucket])
         comm.all_reduce(flat, "avg", tag="export")
-        if flat_dst is None:
+        if flat_dst is None or dst is None:
             continue
         offset = 0
         for i, a, b in bucket:
@@ -134,6 +133,60 @@ def _average_over(comm: Any, source: nn.Module, dest: nn.Module | None, *, devic
             offset += b - a
             if b == src[i].numel() and not dst[i].is_contiguous():  # written through a copy: put it in place
                 dst[i].copy_(flat_dst[i].view(dst[i].shape))
+
+
+def _average_over(comm: Any, source: nn.Module, dest: nn.Module | None, *, device: torch.device | None = None,
+                  bucket_bytes: int = EXPORT_BUCKET_BYTES) -> None:
+    """:func:`_average_tensors` of ``source``'s floating-point parameters and buffers (registration order, tied
+    ones once) into ``dest``'s (a module of ``source``'s structure, ``source`` itself, or ``None``), on ``device``
+    (default: ``source``'s)."""
+    src = _tensors(source)
+    if not src:
+        return
+    _average_tensors(comm, src, _tensors(dest) if dest is not None else None,
+                     device=src[0].device if device is None else device, acc=_acc_dtype(src),
+                     bucket_bytes=bucket_bytes)
+
+
+def _outside_sharded(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of ``model``'s floating-point parameters and buffers that are not inside a sharded layer
+    (registration order, tied ones once): what :func:`~lowband.parallel.unsharded_copy` copies as they are."""
+    from lowband.parallel.dense import is_sharded_module
+
+    prefixes = [f"{n}." for n, m in model.named_modules() if is_sharded_module(m)]
+    seen: set[int] = set()
+    out = []
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_floating_point() and id(t) not in seen and not any(name.startswith(p) for p in prefixes):
+            seen.add(id(t))
+            out.append((name, t))
+    return out
+
+
+@torch.no_grad()
+def _average_sharded(comm: Any, live: nn.Module, keep: bool) -> nn.Module | None:
+    """The average over ``comm`` (the DiLoCo replicas) of the replicas' gathered GTP / TP models, in host memory
+    where ``keep``: every gathered layer is averaged on the device as soon as it is gathered (then moves to the
+    host, or is dropped), the replicated rest straight from the live model (collective on every rank alike)."""
+    from lowband.parallel import unsharded_copy
+    from lowband.parallel.tensor import TPInputGather
+
+    inner = live.module if isinstance(live, TPInputGather) else live
+    device = next(iter(inner.parameters())).device
+    acc = _acc_dtype(_tensors(inner))
+
+    def average_layer(layer: nn.Module) -> None:
+        ts = _tensors(layer)
+        _average_tensors(comm, ts, ts, device=device, acc=acc)
+
+    copied = unsharded_copy(inner, device="cpu", keep=keep, each_layer=average_layer)
+    rest = _outside_sharded(inner)
+    dst = None
+    if copied is not None:
+        mine = dict([*copied.named_parameters(), *copied.named_buffers()])
+        dst = [mine[name] for name, _ in rest]
+    _average_tensors(comm, [t for _, t in rest], dst, device=device, acc=acc)
+    return copied
 
 
 def _host_copy(model: nn.Module) -> nn.Module:
@@ -164,18 +217,19 @@ def plain_model(strategy: Strategy, *, keep: bool = True) -> tuple[nn.Module | N
 
         return unsharded_copy(live, device="cpu", keep=keep), f"the gathered full weights ({strategy.name})"
     diloco = strategy.diloco
-    source: nn.Module = live
-    if sharded:  # every rank needs its replica's full weights (on the host) to add them to the average
-        from lowband.parallel import unsharded_copy
-
-        source = unsharded_copy(live, device="cpu")  # type: ignore[assignment]
-    diloco.wait_inflight()  # same order on every rank before the export's collective on the same group
+    diloco.wait_inflight()  # same order on every rank before the export's collectives on the same group
     if diloco.comm.size == 1:
-        return (source if keep else None), "the model of the only replica (diloco)"
-    dest = (source if sharded else _host_copy(live)) if keep else None
-    device = next(iter(live.parameters())).device  # the one the replica group's collectives run on
-    _average_over(diloco.comm, source, dest, device=device)
-    return dest, f"the average of the {diloco.comm.size} replicas' models (diloco)"
+        if sharded:
+            from lowband.parallel import unsharded_copy
+
+            return unsharded_copy(live, device="cpu", keep=keep), "the model of the only replica (diloco)"
+        return live, "the model of the only replica (diloco)"
+    source = f"the average of the {diloco.comm.size} replicas' models (diloco)"
+    if sharded:  # each gathered layer averaged over the replicas right away
+        return _average_sharded(diloco.comm, live, keep), source
+    dest = _host_copy(live) if keep else None
+    _average_over(diloco.comm, live, dest)
+    return dest, source
 
 
 def _factory_spec(cfg: Config, model_factory: ModelFactory | None) -> tuple[str | None, str]:

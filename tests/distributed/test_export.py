@@ -10,9 +10,9 @@ CPU kernels) on them. The DiLoCo average is bitwise too on 2 replicas: ``(a + b)
 either summation order.
 
 Bytes: the export adds no collective for ddp / sharded-* (their weights are full on every rank), one
-``unsharded_copy`` worth of ``gtp:state`` / ``tp:state`` gathers for gtp / tp, and one fp32 all-reduce of
-the whole model (tag ``export``, ``2 (N-1)/N`` of its bytes) for DiLoCo (after those gathers with
-``diloco.inner = gtp``).
+``unsharded_copy`` worth of ``gtp:state`` / ``tp:state`` gathers for gtp / tp, and the bytes of one fp32
+all-reduce of the whole model (tag ``export``, ``2 (N-1)/N`` of its bytes) for DiLoCo (each gathered layer's
+share right after its gather with ``diloco.inner = gtp``).
 """
 
 from __future__ import annotations
@@ -191,9 +191,13 @@ def test_diloco_exports_the_average_of_the_replicas(shard: str, tmp_path: Path, 
     out = run_ranks(_train_and_export, world, cfg, x, timeout=240)
     check_export(out, tmp_path / "r", x, tmp_path)
     n = out[0]["nparams"]
-    for o in out:  # one fp32 all-reduce of the whole model over the 2 replicas (2 (N-1)/N of its bytes, N = 2),
-        # after, with gtp inside, exactly one unsharded_copy's gathers
-        assert [r for r in o["export_recs"] if r[1] == "export"] == [("all_reduce", "export", n, n * 4)]
+    for o in out:  # the bytes of one fp32 all-reduce of the whole model over the 2 replicas (2 (N-1)/N of its
+        # bytes, N = 2): one bucket with ddp inside; with gtp inside one per gathered layer and one for the
+        # replicated rest, beside exactly one unsharded_copy's gathers
+        averages = [r for r in o["export_recs"] if r[1] == "export"]
+        assert {r[0] for r in averages} == {"all_reduce"}
+        assert sum(r[2] for r in averages) == n and sum(r[3] for r in averages) == n * 4
+        assert len(averages) == (1 if inner == "ddp" else o["ref_count"] + 1)
         gathers = [r for r in o["export_recs"] if r[1] != "export"]
         assert len(gathers) == o["ref_count"] and sum(r[3] for r in gathers) == o["ref_bytes"]
         assert (o["ref_count"] > 0) == (inner == "gtp")
