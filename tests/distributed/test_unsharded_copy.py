@@ -50,6 +50,18 @@ def _copies(kind: str) -> dict:
     s3 = len(led.records)
     kept = unsharded_copy(model, keep=dist.get_rank() == 0)  # rank 0 keeps; the others only take part
     s4 = len(led.records)
+    seen: list[str] = []
+
+    def double(layer: nn.Module) -> None:  # sees each gathered layer once, may change it in place
+        seen.append(type(layer).__name__)
+        layer.weight.mul_(2)
+
+    doubled = unsharded_copy(model, device="meta", each_layer=double)
+    host_doubled = unsharded_copy(model, each_layer=double)
+    from lowband.parallel.dense import is_sharded_module
+
+    outer = [n for n, m in model.named_modules() if is_sharded_module(m)]
+    outer = [n for n in outer if not any(n.startswith(f"{o}.") for o in outer)]
     names = [n for n, _ in ref.named_parameters(remove_duplicate=False)]
     out = {
         "ref_records": _records(s0)[:s1 - s0], "meta_records": _records(s1)[:s2 - s1],
@@ -66,6 +78,12 @@ def _copies(kind: str) -> dict:
         "types": sorted({type(m).__name__ for m in host.modules()} & {"Linear", "Embedding", "GTPLinear",
                                                                        "ColumnParallelLinear", "RowParallelLinear"}),
         "original_untouched": all(p.device.type == "cpu" for p in model.parameters()),
+        "each_layer_calls": len(seen) == 2 * len(outer) > 0, "each_layer_meta": doubled is not None and all(
+            t.device.type == "meta" for t in doubled.parameters()),
+        "each_layer_applied": all(
+            torch.equal(host_doubled.get_submodule(n).weight, 2 * ref.get_submodule(n).weight) for n in outer)
+        and all(torch.equal(host_doubled.get_parameter(n), ref.get_parameter(n))
+                for n, _ in ref.named_parameters() if not any(n.startswith(f"{o}.") for o in outer)),
     }
     if kept is not None:
         out["kept_equal"] = all(torch.equal(a, b) for a, b in
@@ -82,6 +100,7 @@ def test_a_copy_onto_another_device_and_ranks_that_keep_nothing(kind: str, world
         assert o["host_equal"] and o["host_tied"] and o["requires_grad"] and o["original_untouched"]
         assert o["types"] == ["Embedding", "Linear"] or o["types"] == ["Linear"]
         assert o["kept_is_none"] == (r != 0)
+        assert o["each_layer_calls"] and o["each_layer_meta"] and o["each_layer_applied"]
     assert res[0]["kept_equal"]
 
 
