@@ -615,7 +615,7 @@ class StreamingDiLoCo:
                 self._prepare()
             elif action == SYNC:
                 try:
-                    self._sync()
+                    self._sync(check=PREPARE not in actions)  # prepared just now: checked just now
                 finally:
                     self.local_step = 0
 
@@ -645,13 +645,18 @@ class StreamingDiLoCo:
                 "StreamingDiLoCo was built: the outer optimizer would keep moving a frozen weight (its momentum), "
                 "where torch leaves it alone. Build StreamingDiLoCo after choosing which parameters train (close() "
                 "the old one first; init_sync then starts every replica from replica 0's weights)")
+        frag_ids = self._frag_ids
+        in_model = [p for p in self.model.parameters() if p.requires_grad and id(p) not in frag_ids]
+        in_optimizers = [(oi, gi, pi, p) for oi, opt in enumerate(self.inner_optimizers)
+                         for gi, g in enumerate(opt.param_groups) for pi, p in enumerate(g["params"])
+                         if p.requires_grad and id(p) not in frag_ids]
+        if not in_model and not in_optimizers:
+            return  # the common case: one pass over the parameters, no names built
         named = {id(p): n for n, p in self.model.named_parameters()}
-        stray = [named[id(p)] for p in self.model.parameters() if p.requires_grad and id(p) not in self._frag_ids]
+        stray = [named[id(p)] for p in in_model]
         stray += [named.get(id(p), f"inner_optimizer{f'[{oi}]' if len(self.inner_optimizers) > 1 else ''}"
                                    f".param_groups[{gi}]['params'][{pi}]")
-                  for oi, opt in enumerate(self.inner_optimizers) for gi, g in enumerate(opt.param_groups)
-                  for pi, p in enumerate(g["params"])
-                  if p.requires_grad and id(p) not in self._frag_ids and id(p) not in named]
+                  for oi, gi, pi, p in in_optimizers if id(p) not in named]
         if stray:
             raise ValueError(
                 f"diloco: {stray[:5]} {'is' if len(stray) == 1 else 'are'} trained but in no fragment (unfrozen or "
@@ -689,7 +694,7 @@ class StreamingDiLoCo:
                 h.wait()
             self._inflight.handles = []
 
-    def _sync(self) -> None:
+    def _sync(self, *, check: bool = True) -> None:
         inflight = self._inflight
         i = fragment_for(self.committed, self.num_fragments)
         if inflight is None or inflight.fragment != i:
@@ -702,7 +707,8 @@ class StreamingDiLoCo:
             inflight.flat.index_fill_(0, pad, 0)
             if inflight.residual is not None:
                 inflight.residual.index_fill_(0, pad.to(inflight.residual.device), 0)
-        self.check_trainable()  # a parameter frozen between the prepare and now
+        if check:
+            self.check_trainable()  # a parameter frozen between the prepare and now
         if not all_finite(inflight.flat):  # the same bits on every replica: all raise
             own = "finite" if inflight.own_finite else "NOT finite"
             raise FloatingPointError(
