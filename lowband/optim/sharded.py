@@ -1798,15 +1798,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 continue
             if lay.kind == "adamw":
                 keep_unstepped = self._needs_master(unit)  # its master is state even before a first use
-                kept = [(mi, m) for mi, m in enumerate(lay.members)  # never used: no state, as in torch
-                        if st["steps"][mi] != 0 or keep_unstepped]
-                for mi, m in kept:
-                    out[m.index] = {"step": torch.tensor(float(st["steps"][mi]), dtype=torch.float32)}
+                stepped = [(mi, m) for mi, m in enumerate(lay.members)  # never used: no state, as in torch
+                           if st["steps"][mi] != 0 or keep_unstepped]
+                if keep:
+                    for mi, m in stepped:
+                        out[m.index] = {"step": torch.tensor(float(st["steps"][mi]), dtype=torch.float32)}
                 for key in ("exp_avg", "exp_avg_sq"):  # one gathered tensor alive at a time
                     full = torch.empty(lay.numel, dtype=st[key].dtype, device=st[key].device)
                     self._state_comm.all_gather(full, st[key], tag="state")
-                    for _mi, m in kept:
-                        if keep:
+                    if keep:
+                        for _, m in stepped:
                             out[m.index][key] = entry(full, m.offset, m.numel, m.shape)
                     del full
             else:
@@ -1819,15 +1820,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 full = torch.empty(lay.numel, dtype=mom.dtype, device=mom.device)
                 self._state_comm.all_gather(full, chunk, tag="state")
                 del chunk
-                for m in lay.members:
-                    out[m.index] = {"momentum_buffer": entry(full, m.offset, rows * cols, torch.Size((rows, cols)))
-                                    if keep else None}
+                if keep:
+                    for m in lay.members:
+                        out[m.index] = {"momentum_buffer": entry(full, m.offset, rows * cols, torch.Size((rows, cols)))}
                 del full
             if self._needs_master(unit):
                 master = self._gather_master(ui)
-                for m in lay.members:
-                    if m.index in out and keep:
-                        out[m.index]["master"] = entry(master, m.offset, m.numel, m.shape)
+                if keep:
+                    for m in lay.members:
+                        if m.index in out:
+                            out[m.index]["master"] = entry(master, m.offset, m.numel, m.shape)
                 del master
         if not keep:
             return {}

@@ -49,6 +49,19 @@ def _copy_onto(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return data.requires_grad_(t.requires_grad) if t.is_leaf else data
 
 
+def replicated_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of ``model``'s parameters and buffers outside every sharded layer (registration order, tied
+    ones once under their first name): what :func:`unsharded_copy` copies as they are (no communication)."""
+    prefixes = [f"{n}." for n, m in model.named_modules() if is_sharded_module(m)]
+    seen: set[int] = set()
+    out = []
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if id(t) not in seen and not any(name.startswith(p) for p in prefixes):
+            seen.add(id(t))
+            out.append((name, t))
+    return out
+
+
 @torch.no_grad()
 def unsharded_copy(model: nn.Module, *, device: str | torch.device | None = None, keep: bool = True,
                    each_layer: Callable[[nn.Module], None] | None = None) -> nn.Module | None:
@@ -94,9 +107,6 @@ def unsharded_copy(model: nn.Module, *, device: str | torch.device | None = None
         return memo[id(model)]  # type: ignore[return-value]
     if target is not None:  # the replicated rest straight onto the target (deepcopy would copy it on the model's
         # device first); ties stay ties: one copy per tensor, found again through the memo
-        sharded = {id(t) for name, m in model.named_modules() if name in replaced
-                   for t in [*m.parameters(), *m.buffers()]}  # shards: the gathered layers replace them
-        for t in [*model.parameters(), *model.buffers()]:
-            if id(t) not in memo and id(t) not in sharded:
-                memo[id(t)] = _copy_onto(t, target)
+        for _, t in replicated_tensors(model):  # not the shards: the gathered layers replace them
+            memo[id(t)] = _copy_onto(t, target)
     return copy.deepcopy(model, memo)

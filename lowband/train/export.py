@@ -148,21 +148,6 @@ def _average_over(comm: Any, source: nn.Module, dest: nn.Module | None, *, devic
                      bucket_bytes=bucket_bytes)
 
 
-def _outside_sharded(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` of ``model``'s floating-point parameters and buffers that are not inside a sharded layer
-    (registration order, tied ones once): what :func:`~lowband.parallel.unsharded_copy` copies as they are."""
-    from lowband.parallel.dense import is_sharded_module
-
-    prefixes = [f"{n}." for n, m in model.named_modules() if is_sharded_module(m)]
-    seen: set[int] = set()
-    out = []
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if t.is_floating_point() and id(t) not in seen and not any(name.startswith(p) for p in prefixes):
-            seen.add(id(t))
-            out.append((name, t))
-    return out
-
-
 @torch.no_grad()
 def _average_sharded(comm: Any, live: nn.Module, keep: bool) -> nn.Module | None:
     """The average over ``comm`` (the DiLoCo replicas) of the replicas' gathered GTP / TP models, in host memory
@@ -170,6 +155,7 @@ def _average_sharded(comm: Any, live: nn.Module, keep: bool) -> nn.Module | None
     host, or is dropped), the replicated rest straight from the live model (collective on every rank alike)."""
     from lowband.parallel import unsharded_copy
     from lowband.parallel.tensor import TPInputGather
+    from lowband.parallel.unshard import replicated_tensors
 
     inner = live.module if isinstance(live, TPInputGather) else live
     device = next(iter(inner.parameters())).device
@@ -180,7 +166,7 @@ def _average_sharded(comm: Any, live: nn.Module, keep: bool) -> nn.Module | None
         _average_tensors(comm, ts, ts, device=device, acc=acc)
 
     copied = unsharded_copy(inner, device="cpu", keep=keep, each_layer=average_layer)
-    rest = _outside_sharded(inner)
+    rest = [(name, t) for name, t in replicated_tensors(inner) if t.is_floating_point()]
     dst = None
     if copied is not None:
         mine = dict([*copied.named_parameters(), *copied.named_buffers()])
@@ -206,6 +192,7 @@ def plain_model(strategy: Strategy, *, keep: bool = True) -> tuple[nn.Module | N
     bucket of the average at a time beside the live model). ``keep=False`` (the ranks that do not write) takes
     part in every collective and returns ``None`` where a copy would have been made.
     """
+    from lowband.parallel import unsharded_copy
     from lowband.train.strategies.diloco import DilocoStrategy
 
     live = strategy.unwrapped()
@@ -213,17 +200,12 @@ def plain_model(strategy: Strategy, *, keep: bool = True) -> tuple[nn.Module | N
     if not isinstance(strategy, DilocoStrategy):
         if not sharded:
             return live, f"the model every rank holds ({strategy.name})"
-        from lowband.parallel import unsharded_copy
-
         return unsharded_copy(live, device="cpu", keep=keep), f"the gathered full weights ({strategy.name})"
     diloco = strategy.diloco
     diloco.wait_inflight()  # same order on every rank before the export's collectives on the same group
     if diloco.comm.size == 1:
-        if sharded:
-            from lowband.parallel import unsharded_copy
-
-            return unsharded_copy(live, device="cpu", keep=keep), "the model of the only replica (diloco)"
-        return live, "the model of the only replica (diloco)"
+        only = "the model of the only replica (diloco)"
+        return (unsharded_copy(live, device="cpu", keep=keep), only) if sharded else (live, only)
     source = f"the average of the {diloco.comm.size} replicas' models (diloco)"
     if sharded:  # each gathered layer averaged over the replicas right away
         return _average_sharded(diloco.comm, live, keep), source
