@@ -166,8 +166,8 @@ def _free_port() -> int:
 def test_a_run_never_overwrites_another_runs_outputs(tiny: Path) -> None:
     """The run directory's outputs (model, metrics, config, summary) belong to the run that wrote them: a run with
     another config that does not resume is refused before it writes anything, with the self-launcher and as a
-    torchrun rank; the same command again (a restart), a resume from the run's checkpoints (also with more
-    steps) and ``run.overwrite = true`` go ahead."""
+    torchrun rank; the same command again (a restart) and ``run.overwrite = true`` go ahead (a resume from the
+    run's checkpoints: the two tests below)."""
     from lowband.train.preflight import RUN_OUTPUTS
 
     rd = tiny / "runs" / "t"
@@ -191,8 +191,13 @@ def test_a_run_never_overwrites_another_runs_outputs(tiny: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert (rd / "model.safetensors").read_bytes() != before["model.safetensors"]
     assert json.loads((rd / "config.toml").read_text().split("seed = ")[1].split("\n")[0]) == 1
-    # a run that saves checkpoints, then one with more steps resuming from them: it continues that run
-    proc = run_cli(tiny, "--run.steps=2", "--checkpoint.every=1", "--run.overwrite=true")
+
+
+def test_a_resume_continues_its_own_run_and_never_another_runs_outputs(tiny: Path) -> None:
+    """A run that saves checkpoints, then one with more steps resuming from them: it continues that run (its
+    outputs are its own). Another run directory with outputs of its own resuming that checkpoint is refused."""
+    rd = tiny / "runs" / "t"
+    proc = run_cli(tiny, "--run.steps=2", "--checkpoint.every=1")
     assert proc.returncode == 0, proc.stderr
     proc = run_cli(tiny, "--run.steps=3", "--checkpoint.every=1")
     assert proc.returncode == 0, proc.stderr
@@ -203,8 +208,13 @@ def test_a_run_never_overwrites_another_runs_outputs(tiny: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     proc = run_cli(tiny, "--run.name=u", "--run.steps=3", "--checkpoint.resume=runs/t/checkpoint/step-2")
     assert proc.returncode == 2 and "run directory 'runs/u' holds another run's outputs" in proc.stderr, proc.stderr
-    # checkpoint.dir outside the run directory: the marker names the run directory whose run wrote it, so run v
-    # continues with more steps, while run u (outputs of its own) taking v's checkpoints from there is refused
+
+
+def test_a_checkpoint_dir_outside_the_run_directory_belongs_to_the_run_that_wrote_it(tiny: Path) -> None:
+    """checkpoint.dir outside the run directory: the marker names the run directory whose run wrote it, so run v
+    continues with more steps, while run u (outputs of its own) taking v's checkpoints from there is refused."""
+    proc = run_cli(tiny, "--run.name=u", "--run.steps=2", "--run.seed=3")
+    assert proc.returncode == 0, proc.stderr
     ext = ["--checkpoint.every=1", "--checkpoint.dir=shared/ckpt"]
     proc = run_cli(tiny, "--run.name=v", "--run.steps=2", *ext)
     assert proc.returncode == 0, proc.stderr
