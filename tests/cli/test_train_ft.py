@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -32,7 +31,9 @@ FT_OVERRIDES = ("--run.timeout_s=60", "--strategy.name=diloco", "--diloco.num_re
 
 
 class Group:
-    """One replica group's launch; its stdout lines are collected as they come."""
+    """One replica group's launch; its stdout lines and its stderr are collected as they come, each by a thread of
+    its own (nothing else reads the pipes: ``communicate()`` beside the reader took lines from it and closed the file
+    under it)."""
 
     def __init__(self, cwd: Path, group: int, url: str, *overrides: str, steps: int,
                  hold: tuple[Path, ...] = ()) -> None:
@@ -42,12 +43,28 @@ class Group:
         self.proc = subprocess.Popen(args, cwd=cwd, env=cli_env(env), stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+        self._err: list[str] = []
+        self._readers = [threading.Thread(target=self._read, daemon=True),
+                         threading.Thread(target=self._read_err, daemon=True)]
+        for r in self._readers:
+            r.start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:  # type: ignore[union-attr]
             self.lines.append(line.rstrip("\n"))
+
+    def _read_err(self) -> None:
+        self._err.append(self.proc.stderr.read())  # type: ignore[union-attr]
+
+    def _wait(self, timeout: float | None) -> None:
+        """The process ended (or ``TimeoutExpired``) and both pipes were read to their end."""
+        self.proc.wait(timeout=timeout)
+        for r in self._readers:
+            r.join(10)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self._err)
 
     def wait_for(self, predicate, what: str) -> str:  # type: ignore[no-untyped-def]
         deadline = time.monotonic() + RUN_TIMEOUT_S
@@ -58,22 +75,21 @@ class Group:
                 if predicate(self.lines[seen - 1]):
                     return self.lines[seen - 1]
             if self.proc.poll() is not None and seen == len(self.lines):
-                self._reader.join(5)
+                self._wait(None)
                 if seen == len(self.lines):
                     raise AssertionError(f"the group ended (exit {self.proc.returncode}) before {what}:\n"
-                                         + "\n".join(self.lines[-20:]) + "\n" + self.proc.stderr.read())
+                                         + "\n".join(self.lines[-20:]) + "\n" + self.stderr)
             time.sleep(0.05)
         raise AssertionError(f"timed out waiting for {what}")
 
     def finish(self) -> tuple[int, str]:
-        _, err = self.proc.communicate(timeout=RUN_TIMEOUT_S)
-        self._reader.join(10)
-        return self.proc.returncode, err
+        self._wait(RUN_TIMEOUT_S)
+        return self.proc.returncode, self.stderr
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.communicate()
+        self._wait(None)
 
 
 def _outer_steps(line: str) -> int:
@@ -115,8 +131,7 @@ def test_killed_group_rejoins_heals_and_ends_equal(tiny: Path, lighthouse) -> No
         # the survivor is held between steps (still in the run: its heartbeats go on) until the new group 1
         # is up, so that on a fast machine it does not finish first, nor, on a slow one, train ahead of it
         hold.touch()
-        g1.proc.send_signal(signal.SIGKILL)
-        g1.proc.communicate()
+        g1.kill()  # SIGKILL
         try:
             g1 = Group(tiny, 1, url, *held, steps=steps)
             groups.append(g1)
@@ -244,8 +259,7 @@ def test_every_group_lost_at_once_resumes_from_its_own_checkpoint(tiny: Path, li
             g.wait_for(lambda ln: ln.startswith("lowband.train: checkpoint step-"), "a checkpoint")
         hold.touch()  # both wait at their next forward: neither finishes before the kill
         for g in groups:
-            g.proc.send_signal(signal.SIGKILL)
-            g.proc.communicate()
+            g.kill()  # SIGKILL
         saved = {g: sorted(int(p.name.split("-")[1]) for p in (tiny / "runs" / f"g{g}" / "checkpoint").glob("step-*"))
                  for g in (0, 1)}
         assert all(saved.values()) and all(s[-1] < steps for s in saved.values()), saved
