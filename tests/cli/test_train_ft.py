@@ -43,7 +43,7 @@ class Group:
         self.proc = subprocess.Popen(args, cwd=cwd, env=cli_env(env), stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
-        self._err: list[str] = []
+        self.stderr = ""  # all of it, once the process closed it
         self._readers = [threading.Thread(target=self._read, daemon=True),
                          threading.Thread(target=self._read_err, daemon=True)]
         for r in self._readers:
@@ -54,17 +54,13 @@ class Group:
             self.lines.append(line.rstrip("\n"))
 
     def _read_err(self) -> None:
-        self._err.append(self.proc.stderr.read())  # type: ignore[union-attr]
+        self.stderr = self.proc.stderr.read()  # type: ignore[union-attr]
 
     def _wait(self, timeout: float | None) -> None:
         """The process ended (or ``TimeoutExpired``) and both pipes were read to their end."""
         self.proc.wait(timeout=timeout)
         for r in self._readers:
             r.join(10)
-
-    @property
-    def stderr(self) -> str:
-        return "".join(self._err)
 
     def wait_for(self, predicate, what: str) -> str:  # type: ignore[no-untyped-def]
         deadline = time.monotonic() + RUN_TIMEOUT_S
