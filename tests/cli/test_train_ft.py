@@ -202,14 +202,16 @@ def test_groups_with_different_settings_are_refused_by_name(tiny: Path, lighthou
 
 
 def test_lighthouse_unreachable_at_start_and_lost_during_training(tiny: Path) -> None:
-    # nothing listens on the port of a closed socket's address: one line, exit 2, before any step
+    # a port this test holds bound but never listens on refuses every connection: one line, exit 2, before any
+    # step (a closed socket's port could be taken meanwhile, e.g. by another test's Lighthouse: the group then
+    # trained and waited 300 s for a quorum, seen once with two pytest workers)
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-    start = Group(tiny, 0, dead, "--ft.connect_timeout_s=1", steps=100_000)
-    code, err = start.finish()
+        start = Group(tiny, 0, dead, "--ft.connect_timeout_s=1", steps=100_000)
+        code, err = start.finish()
     assert code == 2 and not any(ln.startswith("step") for ln in start.lines), err
     assert err.strip().startswith(f"lowband.train: error: no torchft Lighthouse answered at {dead} within 1 s"), err
     assert len(err.strip().splitlines()) == 1, err
