@@ -16,6 +16,35 @@ _WORD = {1: torch.uint8, 2: torch.int16}  # elements of 4 bytes or more are read
 _BLOCK_ELEMS = 1 << 22  # words hashed per block: bounds the int64 temporaries to a few 32 MiB buffers
 
 
+def _coefficients(cols: int, salt: int, device: torch.device) -> torch.Tensor:
+    """The fixed coefficients ``c_j`` in ``[1, 2^30)`` of a row's ``cols`` word positions; ``salt`` picks the set
+    (0 is the one :func:`row_digests` uses and saved states hold)."""
+    mul, add = _SALTS[salt]
+    return (torch.arange(cols, dtype=torch.int64, device=device) * mul + add) % (2**30 - 35) + 1
+
+
+_SALTS = ((1_000_003, 12_345), (2_654_435, 97_531))  # (multiplier, offset) of each coefficient set
+
+
+def _digests(t: torch.Tensor, salts: tuple[int, ...]) -> torch.Tensor:
+    """int64 ``[rows, len(salts)]``: the digest of every row under each coefficient set (see :func:`row_digests`),
+    each row's words widened to int64 once per block."""
+    x = t.detach()
+    rows = x.shape[0] if x.dim() >= 2 else 1
+    out = torch.zeros(rows, len(salts), dtype=torch.int64, device=x.device)
+    if x.numel() == 0:
+        return out
+    words = x.contiguous().reshape(rows, -1).view(_WORD.get(x.element_size(), torch.int32))
+    cols = words.shape[1]
+    coefs = [_coefficients(cols, s, x.device) for s in salts]
+    step = max(1, _BLOCK_ELEMS // cols)
+    for lo in range(0, rows, step):
+        w = words[lo:lo + step].to(torch.int64)  # a copy: never in place on t
+        for k, coef in enumerate(coefs):
+            out[lo:lo + step, k] = (w * coef).remainder_(_P).sum(dim=1).remainder_(_P)
+    return out
+
+
 def row_digests(t: torch.Tensor) -> torch.Tensor:
     """An int64 tensor of ``rows`` digests, one per row of ``t`` (rows = ``t.shape[0]`` for a tensor of two or
     more dimensions, its elements flattened per row; a 0-d or 1-d tensor is one row), on ``t``'s device.
@@ -23,16 +52,13 @@ def row_digests(t: torch.Tensor) -> torch.Tensor:
     Each digest is ``sum_j w_j * c_j mod P`` over the row's words ``w_j`` (its elements' bits read as signed
     32-bit words, or 16/8-bit ones for smaller elements) with ``c_j < 2^30`` a fixed coefficient of the word's
     position: every product stays under ``2^61`` and every row sum of ``2^31`` residues under ``2^63``."""
-    x = t.detach()
-    rows = x.shape[0] if x.dim() >= 2 else 1
-    out = torch.zeros(rows, dtype=torch.int64, device=x.device)
-    if x.numel() == 0:
-        return out
-    words = x.contiguous().reshape(rows, -1).view(_WORD.get(x.element_size(), torch.int32))
-    cols = words.shape[1]
-    coef = (torch.arange(cols, dtype=torch.int64, device=x.device) * 1_000_003 + 12_345) % (2**30 - 35) + 1
-    step = max(1, _BLOCK_ELEMS // cols)
-    for lo in range(0, rows, step):
-        w = words[lo:lo + step].to(torch.int64, copy=True)  # a copy: never in place on t
-        out[lo:lo + step] = w.mul_(coef).remainder_(_P).sum(dim=1).remainder_(_P)
-    return out
+    return _digests(t, (0,))[:, 0]
+
+
+def row_digest_pairs(t: torch.Tensor) -> torch.Tensor:
+    """int64 ``[rows, 2]``: each row's :func:`row_digests` digest beside a second one from another coefficient
+    set, for comparisons that must not mistake two different rows for equal ones: both collide for unstructured
+    differences with probability about ``2^-62``, and rows that differ by one in at most two words (an ulp here
+    and there) never collide (in a row of fewer than ``2^30 - 35`` words, a prime, distinct positions have
+    distinct coefficients, and any two coefficients sum to less than ``P``)."""
+    return _digests(t, (0, 1))

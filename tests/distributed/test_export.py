@@ -10,9 +10,11 @@ CPU kernels) on them. The DiLoCo average is bitwise too on 2 replicas: ``(a + b)
 either summation order.
 
 Bytes: the export adds no collective for ddp / sharded-* (their weights are full on every rank), one
-``unsharded_copy`` worth of ``gtp:state`` / ``tp:state`` gathers for gtp / tp, and the bytes of one fp32
-all-reduce of the whole model (tag ``export``, ``2 (N-1)/N`` of its bytes) for DiLoCo (each gathered layer's
-share right after its gather with ``diloco.inner = gtp``).
+``unsharded_copy`` worth of ``gtp:state`` / ``tp:state`` gathers for gtp / tp, and for DiLoCo one all-reduce of
+every segment's digests (tag ``export:digests``) and the bytes of one fp32 all-reduce of the segments where the
+replicas differ (tag ``export``, ``2 (N-1)/N`` of their bytes; each gathered layer's share right after its
+gather with ``diloco.inner = gtp``). With 3 replicas, what every replica holds alike is exported bitwise
+(``test_diloco_exports_what_every_replica_shares_bitwise``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from lowband.train.config import Config
 from lowband.train.trainer import train
 
 REPO = Path(__file__).resolve().parents[2]
-EXPORT_TAGS = ("export", "gtp:state", "tp:state")
+EXPORT_TAGS = ("export", "export:digests", "gtp:state", "tp:state")
 
 # A fresh interpreter that uses only safetensors + lowband.model.GPT (lowband.train must stay unimported).
 GPT_LOADER = """
@@ -95,8 +97,25 @@ def export_config(shard: str, out_dir: Path, world: int, strategy: str, name: st
     return cfg
 
 
-def _reference(res) -> tuple[torch.nn.Module, int, int]:
-    """(the model the export should equal, ledger records of the reference gather, and their bytes)."""
+def _differing_segments(a: dict, b: dict, names: list[str]) -> tuple[int, int]:
+    """(elements in segments where ``a`` and ``b`` differ, segments) over the tensors ``names``, cut as the
+    export cuts them (whole rows of at least SEGMENT_MIN_ELEMS elements)."""
+    from lowband.train.export import segment_length
+
+    elems = segments = 0
+    for k in names:
+        seg = segment_length(a[k])
+        fa, fb = a[k].reshape(-1), b[k].reshape(-1)
+        for lo in range(0, fa.numel(), seg):
+            segments += 1
+            if not torch.equal(fa[lo:lo + seg], fb[lo:lo + seg]):
+                elems += fa[lo:lo + seg].numel()
+    return elems, segments
+
+
+def _reference(res) -> tuple[torch.nn.Module, int, int, tuple[int, int] | None]:
+    """(the model the export should equal, ledger records of the reference gather, their bytes, and for DiLoCo
+    :func:`_differing_segments` of the two replicas' models)."""
     import torch.distributed as dist
 
     from lowband.parallel import unsharded_copy
@@ -116,9 +135,12 @@ def _reference(res) -> tuple[torch.nn.Module, int, int]:
         sds: list = [None] * world
         dist.all_gather_object(sds, {k: v.detach().clone() for k, v in model.state_dict().items()})
         a, b = sds[0], sds[per_replica]  # the first rank of each replica (its ranks hold the same model)
+        names = [k for k, _ in [*model.named_parameters(), *model.named_buffers()]]  # tied ones once
+        differing = _differing_segments(a, b, names)
         model = type(model)(model.config)
         model.load_state_dict({k: (a[k] + b[k]) / 2 for k in a})
-    return model, len(recs), sum(r.wire_bytes for r in recs)
+        return model, len(recs), sum(r.wire_bytes for r in recs), differing
+    return model, len(recs), sum(r.wire_bytes for r in recs), None
 
 
 def _train_and_export(cfg: Config, x: list[list[int]]) -> dict:
@@ -128,12 +150,12 @@ def _train_and_export(cfg: Config, x: list[list[int]]) -> dict:
             if diloco is not None and cfg.diloco.inner == "ddp" else None)  # each replica's own model
     ledger = res.strategy.env.ledger
     export_recs = [(r.op, r.tag, r.numel, r.wire_bytes) for r in ledger.step_records() if r.tag in EXPORT_TAGS]
-    model, ref_count, ref_bytes = _reference(res)
+    model, ref_count, ref_bytes, differing = _reference(res)
     with torch.no_grad():
         out = model.eval()(torch.tensor(x))
     return {"logits": out, "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "path": None if res.model_path is None else str(res.model_path), "export_recs": export_recs,
-            "ref_count": ref_count, "ref_bytes": ref_bytes, "live": live,
+            "ref_count": ref_count, "ref_bytes": ref_bytes, "live": live, "differing": differing,
             "diloco": None if diloco is None else {"committed": diloco.committed, "in_flight": diloco.in_flight},
             "nparams": sum(p.numel() for p in model.parameters())}
 
@@ -191,14 +213,20 @@ def test_diloco_exports_the_average_of_the_replicas(shard: str, tmp_path: Path, 
     out = run_ranks(_train_and_export, world, cfg, x, timeout=240)
     check_export(out, tmp_path / "r", x, tmp_path)
     n = out[0]["nparams"]
-    for o in out:  # the bytes of one fp32 all-reduce of the whole model over the 2 replicas (2 (N-1)/N of its
-        # bytes, N = 2): one bucket with ddp inside; with gtp inside one per gathered layer and one for the
-        # replicated rest, beside exactly one unsharded_copy's gathers
+    for o in out:  # one all-reduce of the digests (32 bytes per segment, 2 (N-1)/N of them with N = 2), then
+        # the bytes of one fp32 all-reduce of the segments where the replicas differ: one bucket with ddp
+        # inside; with gtp inside per gathered layer and for the replicated rest, beside exactly one
+        # unsharded_copy's gathers
+        differ_elems, segments = o["differing"]
+        assert 0 < differ_elems < n  # some rows of the embedding were never touched: they stay at home
+        digests = [r for r in o["export_recs"] if r[1] == "export:digests"]
+        assert {r[0] for r in digests} == {"all_reduce"}
+        assert len(digests) == (1 if inner == "ddp" else o["ref_count"] + 1)
+        assert sum(r[2] for r in digests) == 4 * segments and sum(r[3] for r in digests) == 32 * segments
         averages = [r for r in o["export_recs"] if r[1] == "export"]
-        assert {r[0] for r in averages} == {"all_reduce"}
-        assert sum(r[2] for r in averages) == n and sum(r[3] for r in averages) == n * 4
-        assert len(averages) == (1 if inner == "ddp" else o["ref_count"] + 1)
-        gathers = [r for r in o["export_recs"] if r[1] != "export"]
+        assert {r[0] for r in averages} == {"all_reduce"} and len(averages) <= len(digests)
+        assert sum(r[2] for r in averages) == differ_elems and sum(r[3] for r in averages) == differ_elems * 4
+        gathers = [r for r in o["export_recs"] if not r[1].startswith("export")]
         assert len(gathers) == o["ref_count"] and sum(r[3] for r in gathers) == o["ref_bytes"]
         assert (o["ref_count"] > 0) == (inner == "gtp")
         assert o["diloco"] == {"committed": 1, "in_flight": 1}  # fragment 1 was still in flight
@@ -207,6 +235,65 @@ def test_diloco_exports_the_average_of_the_replicas(shard: str, tmp_path: Path, 
         assert all(not torch.equal(live0[k], live1[k]) for k in ("lm_head.weight", "blocks.0.attn.qkv.weight"))
     meta = json.loads((tmp_path / "r" / "model.json").read_text())
     assert "average of the 2 replicas" in meta["source"]
+
+
+def _train_branch_lm(cfg: Config) -> dict:
+    res = train(cfg, log=False)
+    ledger = res.strategy.env.ledger
+    return {"live": {k: v.detach().clone() for k, v in res.strategy.unwrapped().state_dict().items()},
+            "recs": [(r.op, r.tag, r.numel, r.wire_bytes) for r in ledger.step_records() if r.tag in EXPORT_TAGS]}
+
+
+def test_diloco_exports_what_every_replica_shares_bitwise(shard: str, tmp_path: Path) -> None:
+    """3 replicas of a model with a frozen embedding and a float buffer (identical on every replica) beside
+    trained layers (different on each): the frozen weight and the buffer are exported bitwise (an fp32 sum of 3
+    equal values rounds: before the digests, about 15 % of such elements came back one ulp off) and never
+    travel; the rest is the replicas' mean within the rounding of a 3-term fp32 sum."""
+    from safetensors.torch import load_file
+
+    from lowband.train.export import segment_length
+
+    world = 3
+    cfg = export_config(shard, tmp_path, world, "diloco", "b")
+    cfg.model.factory = "tests.external.factories:branch_lm"
+    cfg.diloco.num_replicas, cfg.diloco.sync_every, cfg.diloco.fragments, cfg.diloco.delay = 3, 2, 1, 0
+    out = run_ranks(_train_branch_lm, world, cfg, timeout=240)
+    saved = load_file(str(tmp_path / "b" / "model.safetensors"))
+    lives = [o["live"] for o in out]
+    assert sorted(saved) == sorted(lives[0])
+    for k in ("emb.weight", "mix"):  # the replicas share them (they started from replica 0's model)
+        assert all(torch.equal(live[k], lives[0][k]) for live in lives), k
+        assert torch.equal(saved[k], lives[0][k]), k  # bitwise
+    differ_elems = 0
+    u = torch.finfo(torch.float32).eps / 2
+    for k, v in saved.items():
+        if not v.is_floating_point():  # the step counter buffer: not averaged, rank 0's
+            assert torch.equal(v, lives[0][k]), k
+            continue
+        flats = [live[k].reshape(-1) for live in lives]
+        mean = sum(f.double() for f in flats) / 3
+        # fp32, any order: two rounded additions (at most u * (|a| + |b|) and u * (|a| + |b| + |c|)) and the
+        # rounded division by 3 (u * |mean|): at most u * sum |x_r|, and 1 % for the terms in u^2
+        bound = 1.01 * u * sum(f.double().abs() for f in flats)
+        seg = segment_length(v)
+        for lo in range(0, v.numel(), seg):
+            part = [f[lo:lo + seg] for f in flats]
+            got = v.reshape(-1)[lo:lo + seg]
+            if all(torch.equal(p, part[0]) for p in part):
+                assert torch.equal(got, part[0]), k
+            else:
+                differ_elems += got.numel()
+                assert bool(((got.double() - mean[lo:lo + seg]).abs() <= bound[lo:lo + seg]).all()), k
+    assert differ_elems > 0  # the trained layers differ: the average matters
+    for o in out:
+        averages = [r for r in o["recs"] if r[1] == "export"]
+        assert {r[0] for r in averages} == {"all_reduce"}
+        assert sum(r[2] for r in averages) == differ_elems  # only what differs travels, in fp32
+        assert all(r[3] == 2 * (world - 1) * r[2] * 4 // world for r in averages)
+
+
+# ------------------------------------------------------------------------------ factory models, ties
+FACTORY = "tests.external.factories:outside_gpt"
 
 
 # ------------------------------------------------------------------------------ factory models, ties

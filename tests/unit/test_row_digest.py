@@ -41,3 +41,26 @@ def test_blocks_and_small_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     assert row_digests(torch.tensor(1.5, dtype=torch.float64)).shape == (1,)
     assert row_digests(torch.ones(4)).shape == (1,)
     assert row_digests(torch.zeros(0, 3)).shape == (0,)
+
+
+def test_digest_pairs_extend_the_digest_and_catch_every_two_word_step() -> None:
+    """``row_digest_pairs``: column 0 is ``row_digests``; a step of +1 / -1 in any one or two words of a row
+    (an ulp here and there) changes both digests, at every pair of positions of a 40-word row."""
+    from lowband.diloco.row_digest import row_digest_pairs
+
+    t = torch.randn(6, 40, generator=torch.Generator().manual_seed(3))
+    pairs = row_digest_pairs(t)
+    assert pairs.shape == (6, 2) and pairs.dtype == torch.int64 and torch.equal(pairs[:, 0], row_digests(t))
+    words = t[0].clone().view(torch.int32)
+    base = row_digest_pairs(words.view(torch.float32))
+    steps = []
+    for j in range(40):
+        for k in range(j, 40):
+            for dj, dk in ((1, 1), (1, -1), (-1, 1), (-1, -1)):
+                w = words.clone()
+                w[j] += dj
+                if k != j:
+                    w[k] += dk
+                steps.append(w)
+    moved = row_digest_pairs(torch.stack(steps).view(torch.float32))
+    assert bool((moved != base).all())  # both digests moved, for every step
