@@ -1573,13 +1573,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         and reshard it to any world size. Every trainable parameter has an entry (what its first step
         would create if it has not stepped). Communication: one ``all_to_all`` per unit over the state
         group (``tag="state"``): each element moves once from the rank that owns it to the rank whose
-        ``Shard(0)`` chunk holds it, never a gather (:mod:`lowband.optim.sharded_exchange`); one rank, or a
-        0-d parameter, takes the gathered path. :meth:`load_state_dict` of this form is the same exchange
-        backwards.
+        ``Shard(0)`` chunk holds it, never a gather (:mod:`lowband.optim.sharded_exchange`); a 0-d parameter's
+        state, which has no rows, is a plain tensor its owner sends to every rank (DCP writes it once).
+        :meth:`load_state_dict` of this form is the same exchange backwards (the owner of a 0-d parameter takes
+        its own copy).
         For this rank's raw shard (no communication, same layout only) use :meth:`shard_state_dict`.
         """
-        if self.comm.size == 1 or any(not m.shape for u in self._units for m in u.layout.members):
-            full = self.logical_state_dict()  # one rank (plain tensors), or a 0-d parameter (no Shard(0) form)
+        if self.comm.size == 1:
+            full = self.logical_state_dict()  # one rank: plain tensors
             shard0 = self._shard0()
             state = {i: {k: (v if k == "step" else shard0.shard(v)) for k, v in st.items()}
                      for i, st in full["state"].items()}

@@ -14,7 +14,9 @@ chunk holds (at most its owned state).
 What moves, per unit (in unit order, then member order, then key order, identically on every rank):
 AdamW ``exp_avg``, ``exp_avg_sq``; Muon ``momentum_buffer``; and ``master`` where the unit keeps an fp32
 master. A unit that has not stepped contributes what its first step creates (zero moments, the master
-from the parameter). AdamW ``step`` counters are scalars every rank already holds: not exchanged.
+from the parameter). AdamW ``step`` counters are scalars every rank already holds: not exchanged. A 0-d
+parameter's state has no rows to cut: it is a plain 0-d tensor in every rank's state dict (DCP writes it once),
+sent by its owner to every rank in the same exchange; loading, the owner takes its own copy.
 """
 
 from __future__ import annotations
@@ -54,20 +56,37 @@ def _owned(lay: UnitLayout, rank: int) -> tuple[int, int]:
     return lo, lo + lay.real_per_rank[rank] * lay.matrix_shape[0] * lay.matrix_shape[1]
 
 
-def _held(lay: UnitLayout, mi: int, rank: int) -> tuple[int, int]:
-    """The flat range (unit coordinates) of member ``mi`` that ``rank``'s ``Shard(0)`` chunk holds."""
+def _held(lay: UnitLayout, mi: int, rank: int, *, loading: bool = False) -> tuple[int, int]:
+    """The flat range (unit coordinates) of member ``mi`` that ``rank``'s ``Shard(0)`` chunk holds.
+
+    A 0-d member has no rows: its state is a plain tensor every rank holds (DCP writes it once), so when saving
+    its owner sends it to every rank; when ``loading``, the owner takes its own copy (no rank sends it)."""
     m = lay.members[mi]
-    rows = m.shape[0] if len(m.shape) else 1
+    if not len(m.shape):
+        if not loading:
+            return m.offset, m.offset + 1
+        o_lo, o_hi = _owned(lay, rank)
+        return (m.offset, m.offset + 1) if o_lo <= m.offset < o_hi else (m.offset, m.offset)
+    rows = m.shape[0]
     row = m.numel // rows if rows else 0
     lo, hi = chunk_rows(rows, lay.world_size, rank)
     return m.offset + lo * row, m.offset + hi * row
 
 
-def _segment(lay: UnitLayout, mi: int, owner: int, holder: int) -> tuple[int, int]:
+def _segment(lay: UnitLayout, mi: int, owner: int, holder: int, *, loading: bool = False) -> tuple[int, int]:
     """Flat range of member ``mi`` that ``owner`` owns and ``holder``'s chunk holds (``a >= b``: none)."""
     o_lo, o_hi = _owned(lay, owner)
-    h_lo, h_hi = _held(lay, mi, holder)
+    h_lo, h_hi = _held(lay, mi, holder, loading=loading)
     return max(o_lo, h_lo), min(o_hi, h_hi)
+
+
+def held_shape(shape: tuple[int, ...], world: int, rank: int) -> tuple[int, ...]:
+    """The shape of ``rank``'s ``Shard(0)`` chunk of a state tensor of ``shape`` (``()`` for a 0-d one, which
+    every rank holds whole)."""
+    if not shape:
+        return ()
+    lo, hi = chunk_rows(shape[0], world, rank)
+    return (hi - lo, *shape[1:])
 
 
 def owned_master(opt: ShardedOptimizer, ui: int) -> torch.Tensor:
@@ -126,8 +145,8 @@ def to_shard0(opt: ShardedOptimizer) -> dict[int, dict[str, torch.Tensor]]:
         sends: list[list[torch.Tensor]] = [[] for _ in range(n)]
         recv_sizes = [0] * n
         for mi, m in enumerate(lay.members):
-            lo, hi = chunk_rows(m.shape[0], n, me)
-            out[m.index] = {key: torch.empty((hi - lo, *m.shape[1:]), dtype=dtype, device=dev) for key in keys}
+            out[m.index] = {key: torch.empty(held_shape(tuple(m.shape), n, me), dtype=dtype, device=dev)
+                            for key in keys}
             for r in range(n):
                 a, b = _segment(lay, mi, me, r)
                 if a < b:
@@ -153,7 +172,7 @@ def to_shard0(opt: ShardedOptimizer) -> dict[int, dict[str, torch.Tensor]]:
 def shard0_ready(opt: ShardedOptimizer, state: dict[int, dict[str, Any]]) -> bool:
     """True if ``state`` (by param index) holds, for every member of every unit, each of its
     :func:`state_keys` as this rank's ``Shard(0)`` chunk (a ``DTensor`` over ``N`` ranks of the parameter's
-    shape), so :func:`load_shard0` can take it. No communication."""
+    shape; for a 0-d parameter a plain 0-d tensor), so :func:`load_shard0` can take it. No communication."""
     from torch.distributed.tensor import DTensor, Shard
 
     n, me = opt.comm.size, opt.comm.rank
@@ -164,13 +183,23 @@ def shard0_ready(opt: ShardedOptimizer, state: dict[int, dict[str, Any]]) -> boo
                 return False
             for key in state_keys(opt, ui):
                 v = st.get(key)
+                if not len(m.shape):
+                    if not isinstance(v, torch.Tensor) or isinstance(v, DTensor) or v.dim() != 0:
+                        return False
+                    continue
                 if (not isinstance(v, DTensor) or v.device_mesh.size() != n or list(v.placements) != [Shard(0)]
-                        or tuple(v.shape) != tuple(m.shape) or not len(m.shape)):
+                        or tuple(v.shape) != tuple(m.shape)):
                     return False
-                lo, hi = chunk_rows(m.shape[0], n, me)
-                if tuple(v.to_local().shape) != (hi - lo, *m.shape[1:]):
+                if tuple(v.to_local().shape) != held_shape(tuple(m.shape), n, me):
                     return False
     return True
+
+
+def _local(v: Any) -> torch.Tensor:
+    """A ``Shard(0)`` DTensor's local chunk, or a plain tensor (a 0-d parameter's state) as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return v.to_local() if isinstance(v, DTensor) else v
 
 
 @torch.no_grad()
@@ -187,13 +216,13 @@ def load_shard0(opt: ShardedOptimizer, state: dict[int, dict[str, Any]]) -> dict
         sends: list[list[torch.Tensor]] = [[] for _ in range(n)]
         recv_sizes = [0] * n
         for mi, m in enumerate(lay.members):
-            h_lo = _held(lay, mi, me)[0]
-            held = {key: state[m.index][key].to_local().reshape(-1) for key in keys}
+            h_lo = _held(lay, mi, me, loading=True)[0]
+            held = {key: _local(state[m.index][key]).reshape(-1) for key in keys}
             for r in range(n):
-                a, b = _segment(lay, mi, r, me)
+                a, b = _segment(lay, mi, r, me, loading=True)
                 if a < b:
-                    sends[r].extend(held[key][a - h_lo:b - h_lo].to(dtype) for key in keys)
-                a, b = _segment(lay, mi, me, r)
+                    sends[r].extend(held[key][a - h_lo:b - h_lo].to(device=dev, dtype=dtype) for key in keys)
+                a, b = _segment(lay, mi, me, r, loading=True)
                 if a < b:
                     recv_sizes[r] += (b - a) * len(keys)
         recv = _exchange(comm, sends, recv_sizes, dtype, dev)
@@ -201,7 +230,7 @@ def load_shard0(opt: ShardedOptimizer, state: dict[int, dict[str, Any]]) -> dict
         pos = 0
         for r in range(n):
             for mi in range(len(lay.members)):
-                a, b = _segment(lay, mi, me, r)
+                a, b = _segment(lay, mi, me, r, loading=True)
                 if a >= b:
                     continue
                 for key in keys:

@@ -97,8 +97,12 @@ class Shard0:
 
     def wrap(self, local: torch.Tensor, shape: tuple[int, ...]) -> Any:
         """``local`` (this rank's ``torch.chunk`` rows of a tensor of ``shape``) as a ``Shard(0)`` DTensor,
-        stamped like :meth:`shard`'s (no copy, no communication)."""
+        stamped like :meth:`shard`'s (no copy, no communication); a 0-d ``shape`` has no rows: ``local`` itself,
+        the whole tensor every rank holds, as :meth:`shard` returns it."""
         from torch.distributed.tensor import DTensor, Shard
+
+        if not shape:
+            return local
 
         stride = torch.empty(shape, device="meta").stride()
         out = DTensor.from_local(local, self._mesh_for(local.device), [Shard(0)], run_check=False,

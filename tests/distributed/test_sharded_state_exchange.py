@@ -20,20 +20,35 @@ from lowband.optim import ShardedAdamW, ShardedMuon
 from lowband.testing import run_ranks
 
 
-def _model(dtype: torch.dtype) -> nn.Module:
+class _Scale(nn.Module):
+    """A learnable 0-d ``logit_scale`` (CLIP's): its state has no rows to shard."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logit_scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.logit_scale
+
+
+def _model(dtype: torch.dtype, scalar: bool = False) -> nn.Module:
     torch.manual_seed(3)
-    m = nn.Sequential(nn.Linear(7, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 5),
-                      nn.Linear(5, 3)).to(dtype)
-    m[2].bias.requires_grad_(False)  # frozen
-    return m  # m[5] is never used by forward
+    layers = [nn.Linear(7, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 5), nn.Linear(5, 3)]
+    if scalar:  # 0-d parameters first, in the middle of a unit and last
+        layers = [_Scale(), *layers[:3], _Scale(), *layers[3:], _Scale()]
+    m = nn.Sequential(*layers).to(dtype)
+    m[3 if scalar else 2].bias.requires_grad_(False)  # frozen
+    return m  # the Linear(5, 3) is never used by forward
 
 
 def _forward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if isinstance(m[0], _Scale):
+        return m[6](m[5](m[4](m[3](m[2](m[1](m[0](x))))))) * m[8].logit_scale
     return m[4](m[3](m[2](m[1](m[0](x)))))
 
 
 def _optimizer(kind: str, model: nn.Module, comm: Comm):
-    if kind == "adamw":
+    if kind in ("adamw", "scalar"):
         return ShardedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, comm=comm, bucket_mb=200 / 2**20)
     if kind == "muon":
         mats = [p for n, p in model.named_parameters() if p.dim() == 2 and n != "0.weight"]
@@ -46,7 +61,7 @@ def _run(kind: str) -> dict:
     rank, n = dist.get_rank(), dist.get_world_size()
     dtype = torch.bfloat16 if kind == "bf16" else torch.float64
     ledger = CommLedger()
-    model = _model(dtype)
+    model = _model(dtype, kind == "scalar")
     opt = _optimizer(kind, model, Comm(ledger=ledger))
     g = torch.Generator().manual_seed(10 + rank)
     for _ in range(3):
@@ -63,16 +78,16 @@ def _run(kind: str) -> dict:
     for i, st in logical.items():
         for k, v in st.items():
             got = sd["state"][i][k]
-            if k != "step":  # torch.chunk's rows of this rank (none past the last chunk)
+            if k != "step" and v.dim():  # torch.chunk's rows of this rank (none past the last chunk); 0-d: whole
                 c = -(-v.shape[0] // n)
                 lo = min(v.shape[0], rank * c)
                 v = v[lo:min(v.shape[0], lo + c)]
             want = v
-            local = got if k == "step" else got.to_local()
+            local = got if k == "step" or not v.dim() else got.to_local()
             if local.dtype != want.dtype or not torch.equal(local, want):
                 mismatch.append((i, k))
     # a fresh optimizer loads it: bitwise the same state, and the same next step
-    model2 = _model(dtype)
+    model2 = _model(dtype, kind == "scalar")
     with torch.no_grad():
         for p, q in zip(model2.parameters(), model.parameters(), strict=True):
             p.copy_(q)
@@ -97,8 +112,10 @@ def _run(kind: str) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("kind", ["adamw", "muon", "bf16"])
+@pytest.mark.parametrize("kind", ["adamw", "muon", "bf16", "scalar"])
 def test_state_dict_is_exchanged_not_gathered(world: int, kind: str) -> None:
+    """``scalar``: AdamW with three 0-d parameters, whose state is a plain 0-d tensor on every rank (it used to
+    send the whole model's state through the gathered path, every rank holding all of it)."""
     res = run_ranks(_run, world, kind)
     for r in res:
         assert r["mismatch"] == []
@@ -106,7 +123,7 @@ def test_state_dict_is_exchanged_not_gathered(world: int, kind: str) -> None:
         assert r["same_step"]
         assert r["keys"] == res[0]["keys"]
         # every trainable parameter has an entry, the frozen one none
-        assert len({i for i, _k in r["keys"]}) == 7
+        assert len({i for i, _k in r["keys"]}) == (10 if kind == "scalar" else 7)
         for op, tag, wire in r["saved"]:
             assert (op, tag) == ("all_to_all", "state"), r["saved"]
             assert wire <= r["owned"]  # each owned element is sent at most once

@@ -81,6 +81,44 @@ def test_a_zero_dim_parameter_saves_and_resumes_through_dcp(tmp_path: Path) -> N
     assert run_ranks(_zero_dim, 2, str(tmp_path / "ckpt"), timeout=TIMEOUT) == [True, True]
 
 
+def _zero_dim_saved(path: str) -> dict:
+    torch.set_default_dtype(torch.float64)
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    model = _Scaled()
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, comm=Comm(), module=model, bucket_mb=1e-4)
+    _train(model, opt, range(3))
+    sd = opt.state_dict()
+    dcp.save({"optim": sd}, checkpoint_id=path)
+    return {"full": opt.full_state_dict()["state"], "plain": [type(v).__name__ for v in sd["state"][0].values()]}
+
+
+def _zero_dim_loaded(path: str) -> dict:
+    torch.set_default_dtype(torch.float64)
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    model = _Scaled()
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, comm=Comm(), module=model, bucket_mb=1e-4)
+    sd = {"optim": opt.state_dict()}
+    dcp.load(sd, checkpoint_id=path)
+    opt.load_state_dict(sd["optim"])
+    return opt.full_state_dict()["state"]
+
+
+def test_a_zero_dim_parameters_state_reshards_from_2_ranks_to_4_and_1(tmp_path: Path) -> None:
+    """The 0-d parameter's state is a plain tensor on every rank (no rows to shard: DCP writes it once); the
+    rest stays ``Shard(0)``. Saved on 2 ranks, it loads on 4 and on 1 to bitwise the same state."""
+    saved = run_ranks(_zero_dim_saved, 2, str(tmp_path / "c"), timeout=TIMEOUT)
+    assert saved[0]["plain"] == ["Tensor"] * 3  # step, exp_avg, exp_avg_sq of logit_scale (parameter 0)
+    want = saved[0]["full"]
+    for world in (4, 1):
+        for got in run_ranks(_zero_dim_loaded, world, str(tmp_path / "c"), timeout=TIMEOUT):
+            assert sorted(got) == sorted(want)
+            assert all(torch.equal(got[i][k], v) for i, st in want.items() for k, v in st.items()), world
+
+
 def _mid_gather() -> dict:
     torch.set_default_dtype(torch.float64)
     rank = dist.get_rank()
