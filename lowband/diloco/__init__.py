@@ -8,8 +8,10 @@
   :class:`~lowband.diloco.state.GTPShardLayout` (the logical form of row-sharded (GTP) parameters in it);
 * :mod:`~lowband.diloco.membership`: static membership and the replica x dp mesh.
 * :mod:`~lowband.diloco.ft`: fault-tolerant membership through torchft (optional extra ``ft``).
+* :mod:`~lowband.diloco.average`: the average of the replicas' models (the model to keep at the end).
 """
 
+from lowband.diloco.average import replica_average
 from lowband.diloco.fragments import Fragment, split_fragments
 from lowband.diloco.membership import StaticMembership, replica_mesh
 from lowband.diloco.outer import default_outer_optimizer, outer_sgd
@@ -18,5 +20,5 @@ from lowband.diloco.state import DilocoCheckpoint
 from lowband.diloco.streaming import StreamingDiLoCo
 
 __all__ = ["DilocoCheckpoint", "Fragment", "ScheduleConfig", "StaticMembership", "StreamingDiLoCo",
-           "actions_at", "default_outer_optimizer", "fragment_for", "outer_sgd", "plan", "replica_mesh",
-           "split_fragments", "validate_schedule"]
+           "actions_at", "default_outer_optimizer", "fragment_for", "outer_sgd", "plan", "replica_average",
+           "replica_mesh", "split_fragments", "validate_schedule"]

@@ -776,6 +776,18 @@ class StreamingDiLoCo:
         self._state_loaded = (self.committed, self.local_step)
         self._saved_digests = None  # healed: the weights are the peer's, not a saved state's
 
+    def averaged_model(self, *, keep: bool = True) -> nn.Module | None:
+        """The average of the replicas' models, the model to keep at the end of a run (one replica's model holds
+        its own local steps since its fragments' last syncs): a plain model in host memory, bitwise what every
+        replica holds alike, or ``None`` where not ``keep`` (e.g. every rank but the one that saves it).
+        Collective over the replica group (and the GTP / TP groups inside a replica): call on every rank of every
+        replica alike, at the same step. A pseudo-gradient in flight is waited for and not applied; the live
+        model is not changed. See :func:`lowband.diloco.average.replica_average` (tags ``average:digests`` and
+        ``average``; at most the bytes of one fp32 all-reduce of the model)."""
+        from lowband.diloco.average import replica_average
+
+        return replica_average(self, keep=keep)
+
     def wait_inflight(self) -> None:
         """Complete the in-flight fragment's all-reduce now (its handles in order, the same on every
         rank), without syncing it: the fragment still syncs at its scheduled step. Call on every replica

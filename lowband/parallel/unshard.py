@@ -49,6 +49,12 @@ def _copy_onto(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return data.requires_grad_(t.requires_grad) if t.is_leaf else data
 
 
+def holds_shards(model: nn.Module) -> bool:
+    """True if ``model`` holds GTP or tensor-parallel layers (its weights are shards, so running or writing it
+    whole needs :func:`unsharded_copy`); local, the same on every rank."""
+    return any(is_sharded_module(m) or isinstance(m, TPInputGather) for m in model.modules())
+
+
 def replicated_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` of ``model``'s parameters and buffers outside every sharded layer (registration order, tied
     ones once under their first name): what :func:`unsharded_copy` copies as they are (no communication)."""

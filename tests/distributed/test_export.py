@@ -31,6 +31,7 @@ import torch
 from lowband.testing import run_ranks
 from lowband.train.config import Config
 from lowband.train.trainer import train
+from tests.distributed.average_util import check_average
 
 REPO = Path(__file__).resolve().parents[2]
 EXPORT_TAGS = ("export", "export:digests", "gtp:state", "tp:state")
@@ -100,7 +101,7 @@ def export_config(shard: str, out_dir: Path, world: int, strategy: str, name: st
 def _differing_segments(a: dict, b: dict, names: list[str]) -> tuple[int, int]:
     """(elements in segments where ``a`` and ``b`` differ, segments) over the tensors ``names``, cut as the
     export cuts them (whole rows of at least SEGMENT_MIN_ELEMS elements)."""
-    from lowband.train.export import segment_length
+    from lowband.diloco.average import segment_length
 
     elems = segments = 0
     for k in names:
@@ -251,8 +252,6 @@ def test_diloco_exports_what_every_replica_shares_bitwise(shard: str, tmp_path: 
     travel; the rest is the replicas' mean within the rounding of a 3-term fp32 sum."""
     from safetensors.torch import load_file
 
-    from lowband.train.export import segment_length
-
     world = 3
     cfg = export_config(shard, tmp_path, world, "diloco", "b")
     cfg.model.factory = "tests.external.factories:branch_lm"
@@ -264,36 +263,13 @@ def test_diloco_exports_what_every_replica_shares_bitwise(shard: str, tmp_path: 
     for k in ("emb.weight", "mix"):  # the replicas share them (they started from replica 0's model)
         assert all(torch.equal(live[k], lives[0][k]) for live in lives), k
         assert torch.equal(saved[k], lives[0][k]), k  # bitwise
-    differ_elems = 0
-    u = torch.finfo(torch.float32).eps / 2
-    for k, v in saved.items():
-        if not v.is_floating_point():  # the step counter buffer: not averaged, rank 0's
-            assert torch.equal(v, lives[0][k]), k
-            continue
-        flats = [live[k].reshape(-1) for live in lives]
-        mean = sum(f.double() for f in flats) / 3
-        # fp32, any order: two rounded additions (at most u * (|a| + |b|) and u * (|a| + |b| + |c|)) and the
-        # rounded division by 3 (u * |mean|): at most u * sum |x_r|, and 1 % for the terms in u^2
-        bound = 1.01 * u * sum(f.double().abs() for f in flats)
-        seg = segment_length(v)
-        for lo in range(0, v.numel(), seg):
-            part = [f[lo:lo + seg] for f in flats]
-            got = v.reshape(-1)[lo:lo + seg]
-            if all(torch.equal(p, part[0]) for p in part):
-                assert torch.equal(got, part[0]), k
-            else:
-                differ_elems += got.numel()
-                assert bool(((got.double() - mean[lo:lo + seg]).abs() <= bound[lo:lo + seg]).all()), k
+    differ_elems = check_average(saved, lives)
     assert differ_elems > 0  # the trained layers differ: the average matters
     for o in out:
         averages = [r for r in o["recs"] if r[1] == "export"]
         assert {r[0] for r in averages} == {"all_reduce"}
         assert sum(r[2] for r in averages) == differ_elems  # only what differs travels, in fp32
         assert all(r[3] == 2 * (world - 1) * r[2] * 4 // world for r in averages)
-
-
-# ------------------------------------------------------------------------------ factory models, ties
-FACTORY = "tests.external.factories:outside_gpt"
 
 
 # ------------------------------------------------------------------------------ factory models, ties

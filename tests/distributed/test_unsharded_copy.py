@@ -125,7 +125,8 @@ class _Mixed(nn.Module):
 
 
 def _average(bucket_bytes: int) -> dict:
-    from lowband.train.export import _average_over, _host_copy
+    from lowband.diloco.average import _host_copy
+    from lowband.diloco.average import average_modules as _average_over
 
     comm = Comm(name="world")
     live = _Mixed(seed=1 + dist.get_rank())
@@ -162,8 +163,8 @@ def test_the_export_average_in_buckets_equals_one_all_reduce(world: int) -> None
         assert (o["in_place"] == o["bucketed"]) and o["tied"] and o["strides"]
         assert o["bucketed"] or world > 2  # 2 terms: a + b in any order; more: gloo's order follows the buckets
         # one all-reduce of the digests first, then every element differs on some rank (seeded per rank): all travel
-        assert [r[:2] for r in o["records"]] == ([("all_reduce", "export:digests")]
-                                                 + [("all_reduce", "export")] * -(-n // 10))
+        assert [r[:2] for r in o["records"]] == ([("all_reduce", "average:digests")]
+                                                 + [("all_reduce", "average")] * -(-n // 10))
         assert sum(r[2] for r in o["records"][1:]) == n
     lives = [o["live"] for o in res]
     for form in ("whole", "bucketed_state"):
