@@ -13,7 +13,11 @@ import torch
 
 _P = 2**31 - 1  # a prime
 _WORD = {1: torch.uint8, 2: torch.int16}  # elements of 4 bytes or more are read as int32 words
-_BLOCK_ELEMS = 1 << 22  # words hashed per block: bounds the int64 temporaries to a few 32 MiB buffers
+# Words hashed per block. On CPU the block's int64 temporaries (2 MiB each) stay in cache: 6 ns per element for
+# row_digest_pairs of a 4096 x 2048 fp32 tensor on one thread of this machine's AMD EPYC, against 18-22 ns with
+# blocks of 2^22 words (32 MiB temporaries). On an accelerator large blocks mean fewer kernel launches.
+_BLOCK_ELEMS = 1 << 18
+_BLOCK_ELEMS_ACCELERATOR = 1 << 22
 
 
 def _coefficients(cols: int, salt: int, device: torch.device) -> torch.Tensor:
@@ -37,7 +41,7 @@ def _digests(t: torch.Tensor, salts: tuple[int, ...]) -> torch.Tensor:
     words = x.contiguous().reshape(rows, -1).view(_WORD.get(x.element_size(), torch.int32))
     cols = words.shape[1]
     coefs = [_coefficients(cols, s, x.device) for s in salts]
-    step = max(1, _BLOCK_ELEMS // cols)
+    step = max(1, (_BLOCK_ELEMS if x.device.type == "cpu" else _BLOCK_ELEMS_ACCELERATOR) // cols)
     for lo in range(0, rows, step):
         w = words[lo:lo + step].to(torch.int64)  # a copy: never in place on t
         for k, coef in enumerate(coefs):
