@@ -20,7 +20,9 @@ written; it produces ``<run dir>/model.safetensors`` and ``model.json`` in the f
   0 writes each averaged bucket into its host copy). A fragment's pseudo-gradient still in flight is waited for
   first and is not applied. With GTP inside the replicas (``diloco.inner = "gtp"``) each gathered layer is
   averaged over the replicas on the device as soon as it is gathered, then moves to rank 0's host copy or is
-  dropped. With one replica: its model, as it is (gathered when sharded).
+  dropped. With one replica: its model, as it is (gathered when sharded); so is a fault-tolerant group's
+  (``ft.enabled``: every group is a launch of its own with one replica and writes its own model, which
+  ``model.json``'s ``source`` says; the groups' models differ by the local steps since each fragment's last sync).
 
 Collectives happen on every rank alike, in the same order; only rank 0 writes, to temporary names
 renamed into place, so a crash never leaves a half-written ``model.safetensors`` (nor new weights
@@ -76,7 +78,10 @@ def plain_model(strategy: Strategy, *, keep: bool = True) -> tuple[nn.Module | N
     diloco = strategy.diloco
     if diloco.comm.size == 1:
         diloco.wait_inflight()
-        only = "the model of the only replica (diloco)"
+        ft = strategy.cfg.ft
+        only = (f"group {ft.group}'s own model (diloco, fault-tolerant, {ft.groups} groups: each group writes its "
+                "own; they differ by the local steps since each fragment's last sync unless the run ended on a "
+                "sync of every fragment)") if ft.enabled else "the model of the only replica (diloco)"
         return (unsharded_copy(live, device="cpu", keep=keep), only) if sharded else (live, only)
     source = f"the average of the {diloco.comm.size} replicas' models (diloco)"
     return replica_average(diloco, keep=keep, tag="export"), source

@@ -174,6 +174,9 @@ def test_killed_group_rejoins_heals_and_ends_equal(tiny: Path, lighthouse) -> No
     m0 = load_file(tiny / "runs" / "g0" / "model.safetensors")
     m1 = load_file(tiny / "runs" / "g1" / "model.safetensors")
     assert m0.keys() == m1.keys() and all(m0[k].equal(m1[k]) for k in m0), "the groups' final models differ"
+    for g in (0, 1):  # each group writes its own model, and says so
+        source = json.loads((tiny / "runs" / f"g{g}" / "model.json").read_text())["source"]
+        assert f"group {g}'s own model" in source and "fault-tolerant, 2 groups" in source, source
 
 
 @pytest.mark.parametrize(("both", "other", "named"), [
