@@ -227,11 +227,13 @@ def replica_average(dl: StreamingDiLoCo, *, keep: bool = True, tag: str = "avera
     GTP / TP groups inside a replica): call on every rank of every replica alike, at the same step.
 
     A fragment's pseudo-gradient still in flight is waited for first (so the average's collectives come in the
-    same order on every rank) and is not applied. With one replica: a host copy of its model (gathered when
-    sharded). The live model is not changed."""
+    same order on every rank) and is not applied; so are the inner optimizer's writes still in flight (the
+    all-gathers of ``ShardedOptimizer(param_gather="forward")``, :meth:`StreamingDiLoCo.wait_for_inner_writes`).
+    With one replica: a host copy of its model (gathered when sharded). The live model is not changed."""
     from lowband.parallel.unshard import holds_shards, unsharded_copy
 
     dl.wait_inflight()
+    dl.wait_for_inner_writes()  # ShardedOptimizer(param_gather="forward"): its updated slices still landing
     live = dl.model
     if dl.comm.size == 1:
         return unsharded_copy(live, device="cpu", keep=keep)
