@@ -2,18 +2,21 @@
 
 :func:`replica_average` (also :meth:`lowband.diloco.StreamingDiLoCo.averaged_model`) is the model to keep at the
 end of a run: ``global + mean_r(local_r - global)`` per fragment, i.e. the mean of the replicas' live models,
-symmetric in the replicas, and bitwise **what every replica holds alike**. It is what ``python -m lowband.train``
-exports (:mod:`lowband.train.export`), and what a script of one's own writes instead of one replica's model.
+symmetric in the replicas, and bitwise what every replica holds alike, segment by segment (below). It is what
+``python -m lowband.train`` exports (:mod:`lowband.train.export`), and what a script of one's own writes instead
+of one replica's model.
 
 Communication, over the replica group (every rank of every replica alike, in the same order):
 
-* each floating-point parameter and buffer (tied ones once) is cut into segments of whole rows, at least
-  :data:`SEGMENT_MIN_ELEMS` elements; one all-reduce (max, tag ``<tag>:digests``) of every segment's two 31-bit
-  digests (:func:`lowband.diloco.row_digest.row_digest_pairs`) and their negation, 32 bytes per segment, finds
-  the segments equal on every replica;
+* each floating-point parameter and buffer (tied ones once) is cut into segments of whole rows (a 1-d tensor's
+  rows are its elements), at least :data:`SEGMENT_MIN_ELEMS` elements; one all-reduce (max, tag
+  ``<tag>:digests``) of every segment's two digests (:func:`lowband.diloco.row_digest.row_digest_pairs`) and their
+  negation, 32 bytes per segment (1/8 of the bytes of 64 fp32 elements; a tensor of fewer elements is one
+  segment), finds the segments equal on every replica;
 * those are copied locally and never travel (a frozen base under adapters, a buffer nobody changes, a fragment
   synced at the last step): bitwise, where an fp32 sum of 3 equal values would round in about 15 % of the
-  elements;
+  elements. An element every replica holds alike inside a segment that differs elsewhere is averaged like the
+  rest of its segment;
 * the segments that differ are all-reduced (avg, ``<tag>``) in fp32 (fp64 for fp64 models) in buckets of at
   most :data:`AVERAGE_BUCKET_BYTES` (the device holds one bucket beside the live model): at most the bytes of one
   fp32 all-reduce of the model, ``2 (N-1)/N`` of them per rank. Each of their elements is the mean within the
@@ -21,8 +24,9 @@ Communication, over the replica group (every rank of every replica alike, in the
 
 With GTP or tensor-parallel layers inside the replicas every gathered layer
 (:func:`lowband.parallel.unsharded_copy`, collective over the GTP / TP group) is averaged on the device as soon
-as it is gathered, then moves to host memory or is dropped; the replicated rest is averaged straight from the
-live model. The result is a plain model in host memory on the ranks that keep it (``keep``), ``None`` elsewhere.
+as it is gathered (its own digest all-reduce, then its own buckets), then moves to host memory or is dropped;
+the replicated rest is averaged straight from the live model (one more digest all-reduce). The result is a plain
+model in host memory on the ranks that keep it (``keep``), ``None`` elsewhere.
 """
 
 from __future__ import annotations
@@ -83,13 +87,13 @@ compared together with the rows after it, so the digests cost at most 32 bytes p
 
 
 def segment_length(t: torch.Tensor) -> int:
-    """Elements of one compared segment of ``t``: whole rows (dimension 0 of a tensor of two or more dimensions,
-    the whole of a 0-d or 1-d one), as few as give at least :data:`SEGMENT_MIN_ELEMS` elements; ``t``'s flat
+    """Elements of one compared segment of ``t``: whole rows (along dimension 0; a 1-d tensor's rows are its
+    elements, a 0-d tensor is one), as few as give at least :data:`SEGMENT_MIN_ELEMS` elements; ``t``'s flat
     elements are cut into segments of that length (the last one may be shorter)."""
     n = t.numel()
     if n == 0:
         return 1
-    cols = n // t.shape[0] if t.dim() >= 2 else n
+    cols = n // t.shape[0] if t.dim() >= 1 else 1
     return cols * -(-SEGMENT_MIN_ELEMS // cols)
 
 
@@ -112,10 +116,10 @@ def _differing_ranges(comm: Any, src: list[torch.Tensor], device: torch.device, 
     ``<tag>:digests``) of every segment's digest pair and its negation, ``2 (N-1)/N * 32`` bytes per segment:
     a segment is equal everywhere when the largest digest equals the smallest, in both digests (digests on
     ``device``, the one ``comm`` runs on)."""
-    digests = [_segment_digests(t) for t in src]
+    digests = [_segment_digests(t).to(device) for t in src]  # each on its tensor's device first
     counts = [d.shape[0] for d in digests]
     pairs = torch.cat(digests)
-    both = torch.cat([pairs, -pairs]).to(device)
+    both = torch.cat([pairs, -pairs])
     comm.all_reduce(both, "max", tag=f"{tag}:digests")
     differ = (both[:len(pairs)] != -both[len(pairs):]).any(dim=1).to("cpu", torch.int8)
     out: list[tuple[int, int, int]] = []
@@ -218,7 +222,6 @@ def _host_copy(model: nn.Module) -> nn.Module:
     copied = unsharded_copy(model, device="cpu")
     assert copied is not None
     return copied
-
 
 
 def replica_average(dl: StreamingDiLoCo, *, keep: bool = True, tag: str = "average") -> nn.Module | None:

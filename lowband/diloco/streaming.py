@@ -779,11 +779,12 @@ class StreamingDiLoCo:
     def averaged_model(self, *, keep: bool = True) -> nn.Module | None:
         """The average of the replicas' models, the model to keep at the end of a run (one replica's model holds
         its own local steps since its fragments' last syncs): a plain model in host memory, bitwise what every
-        replica holds alike, or ``None`` where not ``keep`` (e.g. every rank but the one that saves it).
-        Collective over the replica group (and the GTP / TP groups inside a replica): call on every rank of every
-        replica alike, at the same step. A pseudo-gradient in flight is waited for and not applied; the live
-        model is not changed. See :func:`lowband.diloco.average.replica_average` (tags ``average:digests`` and
-        ``average``; at most the bytes of one fp32 all-reduce of the model)."""
+        replica holds alike (per segment of rows), or ``None`` where not ``keep`` (e.g. every rank but the one
+        that saves it). Collective over the replica group (and the GTP / TP groups inside a replica): call on
+        every rank of every replica alike, at the same step. A pseudo-gradient in flight is waited for and not
+        applied; the live model is not changed. See :func:`lowband.diloco.average.replica_average` (tags
+        ``average:digests``, 32 bytes per segment of at least 64 elements, and ``average``, at most the bytes of
+        one fp32 all-reduce of the model)."""
         from lowband.diloco.average import replica_average
 
         return replica_average(self, keep=keep)

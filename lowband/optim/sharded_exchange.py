@@ -9,7 +9,7 @@ exactly once, in one ``all_to_all`` (variable splits) per unit over the optimize
 (``tag="state"``); :func:`load_shard0` is the same exchange backwards. Memory beyond the result (this rank's
 ``Shard(0)`` chunks, about ``1/N`` of the state): one unit's send and receive buffers at a time (the gathered
 form held the whole state on every rank). Wire bytes per rank: the elements it owns that another rank's
-chunk holds (at most its owned state).
+chunk holds (at most its owned state, plus ``N - 1`` copies of each 0-d parameter's state it owns).
 
 What moves, per unit (in unit order, then member order, then key order, identically on every rank):
 AdamW ``exp_avg``, ``exp_avg_sq``; Muon ``momentum_buffer``; and ``master`` where the unit keeps an fp32

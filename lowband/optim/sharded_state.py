@@ -15,8 +15,9 @@ in the parameter's logical shape**, so DCP reshards it to any world size:
   writes them in place. Files of the earlier gathered layout (``Shard(0)`` DTensors per parameter, the
   same keys and logical shapes) load into it, and vice versa.
 * :meth:`ShardedOptimizer.state_dict` returns ``{"state": {param_index: {...}}, "param_groups": [...]}``
-  in ``torch.optim`` format, every state tensor a ``Shard(0)`` DTensor (a plain tensor on one rank),
-  ``step`` a replicated float32 scalar. So torch's own
+  in ``torch.optim`` format, every state tensor a ``Shard(0)`` DTensor (a plain tensor on one rank, and a
+  0-d parameter's state, which has no rows, a plain 0-d tensor on every rank), ``step`` a replicated float32
+  scalar. So torch's own
   ``torch.distributed.checkpoint.state_dict.get_state_dict(model, opt)`` / ``set_state_dict`` and
   ``dcp.save`` / ``dcp.load`` work on it, including a reshard to another world size; it gathers (below).
 

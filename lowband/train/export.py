@@ -14,15 +14,17 @@ written; it produces ``<run dir>/model.safetensors`` and ``model.json`` in the f
 * ``diloco``: the **average of the replicas' live models**, :func:`lowband.diloco.average.replica_average`
   (tags ``export:digests`` and ``export``): ``global + mean_r(local_r - global)`` per fragment, what an outer step
   with plain averaging would make of the current local work, symmetric in the replicas and bitwise what every
-  replica holds alike. A segment of rows equal on every replica (a frozen base, a buffer nobody changes, a
-  fragment synced at the last step) never travels; the rest costs at most one fp32 all-reduce of the model over
-  the replica group, once per run, in buckets (the device holds one bucket at a time beside the live model; rank
+  replica holds alike, per segment of rows. A segment equal on every replica (a frozen base, a buffer nobody
+  changes, a fragment synced at the last step) never travels; the rest costs at most one fp32 all-reduce of the
+  model over the replica group, once per run, beside 32 bytes of digests per segment of at least 64 elements,
+  in buckets (the device holds one bucket at a time beside the live model; rank
   0 writes each averaged bucket into its host copy). A fragment's pseudo-gradient still in flight is waited for
   first and is not applied. With GTP inside the replicas (``diloco.inner = "gtp"``) each gathered layer is
   averaged over the replicas on the device as soon as it is gathered, then moves to rank 0's host copy or is
   dropped. With one replica: its model, as it is (gathered when sharded); so is a fault-tolerant group's
   (``ft.enabled``: every group is a launch of its own with one replica and writes its own model, which
-  ``model.json``'s ``source`` says; the groups' models differ by the local steps since each fragment's last sync).
+  ``model.json``'s ``source`` says; the groups' files differ unless the run ended on a committed sync of every
+  fragment with ``diloco.alpha = 0``).
 
 Collectives happen on every rank alike, in the same order; only rank 0 writes, to temporary names
 renamed into place, so a crash never leaves a half-written ``model.safetensors`` (nor new weights
@@ -80,8 +82,8 @@ def plain_model(strategy: Strategy, *, keep: bool = True) -> tuple[nn.Module | N
         diloco.wait_inflight()
         ft = strategy.cfg.ft
         only = (f"group {ft.group}'s own model (diloco, fault-tolerant, {ft.groups} groups: each group writes its "
-                "own; they differ by the local steps since each fragment's last sync unless the run ended on a "
-                "sync of every fragment)") if ft.enabled else "the model of the only replica (diloco)"
+                "own; they differ unless the run ended on a committed sync of every fragment with diloco.alpha = "
+                "0)") if ft.enabled else "the model of the only replica (diloco)"
         return (unsharded_copy(live, device="cpu", keep=keep), only) if sharded else (live, only)
     source = f"the average of the {diloco.comm.size} replicas' models (diloco)"
     return replica_average(diloco, keep=keep, tag="export"), source

@@ -23,8 +23,8 @@ run directory at the end of every run:
          "tokenizer": "bytes", "vocab_size": int, "seq_len": int, "forward": "targets" | "logits",
          "strategy": str, "world_size": int, "step": int, "source": str}
 
-    ``source`` says which copy was written (the model every rank holds, or for DiLoCo the average of
-    the replicas' models; see :mod:`lowband.train.export`).
+    ``source`` says which copy was written (the model every rank holds, for DiLoCo the average of the
+    replicas' models, or a fault-tolerant group's own model; see :mod:`lowband.train.export`).
 
 Loading lowband's GPT needs only ``safetensors`` and :class:`lowband.model.GPT` (no trainer)::
 

@@ -85,13 +85,20 @@ def _zero_dim_saved(path: str) -> dict:
     torch.set_default_dtype(torch.float64)
     import torch.distributed.checkpoint as dcp
 
+    from lowband.comm import CommLedger
+
     torch.manual_seed(0)
     model = _Scaled()
-    opt = ShardedAdamW(model.parameters(), lr=1e-2, comm=Comm(), module=model, bucket_mb=1e-4)
+    ledger = CommLedger()
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, comm=Comm(ledger=ledger), module=model, bucket_mb=1e-4)
     _train(model, opt, range(3))
+    start = len(ledger.records)
     sd = opt.state_dict()
+    ops = {(r.op, r.tag) for r in ledger.records[start:]}
     dcp.save({"optim": sd}, checkpoint_id=path)
-    return {"full": opt.full_state_dict()["state"], "plain": [type(v).__name__ for v in sd["state"][0].values()]}
+    return {"full": opt.full_state_dict()["state"], "ops": ops,
+            "kinds": {i: sorted({type(v).__name__ for k, v in st.items() if k != "step"})
+                      for i, st in sd["state"].items()}}
 
 
 def _zero_dim_loaded(path: str) -> dict:
@@ -111,7 +118,9 @@ def test_a_zero_dim_parameters_state_reshards_from_2_ranks_to_4_and_1(tmp_path: 
     """The 0-d parameter's state is a plain tensor on every rank (no rows to shard: DCP writes it once); the
     rest stays ``Shard(0)``. Saved on 2 ranks, it loads on 4 and on 1 to bitwise the same state."""
     saved = run_ranks(_zero_dim_saved, 2, str(tmp_path / "c"), timeout=TIMEOUT)
-    assert saved[0]["plain"] == ["Tensor"] * 3  # step, exp_avg, exp_avg_sq of logit_scale (parameter 0)
+    for r in saved:  # logit_scale (parameter 0) plain, every other parameter's moments Shard(0) chunks, exchanged
+        assert r["kinds"] == {0: ["Tensor"], 1: ["DTensor"], 2: ["DTensor"], 3: ["DTensor"], 4: ["DTensor"]}
+        assert r["ops"] == {("all_to_all", "state")}  # not gathered (a 0-d parameter used to gather everything)
     want = saved[0]["full"]
     for world in (4, 1):
         for got in run_ranks(_zero_dim_loaded, world, str(tmp_path / "c"), timeout=TIMEOUT):

@@ -64,3 +64,23 @@ def test_digest_pairs_extend_the_digest_and_catch_every_two_word_step() -> None:
                 steps.append(w)
     moved = row_digest_pairs(torch.stack(steps).view(torch.float32))
     assert bool((moved != base).all())  # both digests moved, for every step
+
+
+def test_digest_pairs_tell_the_words_that_share_a_residue_of_the_first_apart() -> None:
+    """``row_digests`` reads signed words modulo 2^31 - 1, where 0x7FFFFFFF (a NaN) and 0 (+0.0) share a residue,
+    as do 0x80000000 (-0.0) and 0xFFFFFFFF (a NaN): the second digest of a pair reads the words unsigned modulo a
+    prime above 2^32, so a row holding one where another holds the other differs there."""
+    from lowband.diloco.row_digest import row_digest_pairs
+
+    base = torch.tensor([[0.0, 1.0, -2.0, 0.5]])
+    for a, b in ((0, 0x7FFFFFFF), (-(2**31), -1)):
+        for pos in range(4):
+            x, y = base.clone(), base.clone()
+            x.view(torch.int32)[0, pos], y.view(torch.int32)[0, pos] = a, b
+            dx, dy = row_digest_pairs(x), row_digest_pairs(y)
+            assert dx[0, 0] == dy[0, 0]  # the first digest cannot tell them apart (and must not change)
+            assert dx[0, 1] != dy[0, 1], (a, b, pos)
+    half = torch.tensor([[0.0, 1.0]], dtype=torch.bfloat16)
+    other = half.clone()
+    other.view(torch.int16)[0, 0] = -1  # 0xFFFF: a bf16 NaN beside +0.0
+    assert row_digest_pairs(half)[0, 1] != row_digest_pairs(other)[0, 1]
