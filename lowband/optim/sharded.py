@@ -52,9 +52,9 @@ Communication pattern (per step, per unit, N = data-parallel world size; see
 Bytes per rank per step (ring model): reduce-scatter ``(N-1)/N * numel * grad_wire_esize`` plus
 all-gather ``(N-1)/N * numel * param_wire_esize`` per unit: the same as one all-reduce in fp32, 0.75x
 of it with bf16 gradients, 0.5x with bf16 gradients and bf16 parameter gathers; plus the flags
-all-reduce, ``2(N-1)/N * F`` bytes for ``F`` = parameters in the optimizer (frozen ones included) + 3
-(none on one rank). Optional clipping adds one all-reduce of one scalar, issued in flight together with the
-flags all-reduce (no round trip of its own; see :meth:`ShardedOptimizer.clip_grad_norm`).
+all-reduce, ``2(N-1)/N * F`` bytes for ``F`` = parameters in the optimizer (frozen ones included) + 8 per
+param group + 4 (none on one rank). Optional clipping adds one all-reduce of one scalar, issued in flight
+together with the flags all-reduce (no round trip of its own; see :meth:`ShardedOptimizer.clip_grad_norm`).
 
 State layout per rank: AdamW ``exp_avg``/``exp_avg_sq`` of ``numel / N`` elements per bucket (the
 owned shard, accumulation dtype: fp32, or fp64 for fp64 parameters) plus ``steps``, one integer step
@@ -98,7 +98,8 @@ Used on at least one rank: averaged with zeros from the others. Used on no rank:
 count (AdamW steps are per member, each member's bias correction uses its own step), Muon momentum not
 decayed and the matrix not updated; sparse tables the same. The global knowledge is DDP's: each step
 every rank all-reduces (MAX) a ``uint8`` vector, one level per unit member, then one flag per parameter
-left out of the units, then 3 bytes, after the last reduce-scatter completed (so at the same place on
+left out of the units, then 8 bytes per param group (its hyperparameters' digest and complement) and 4 more
+(GradScaler factor, inf flag, late-copy flag), after the last reduce-scatter completed (so at the same place on
 every rank) and before any update; on one rank nothing is sent. AdamW runs one fused update over the
 owned shard when every member was used with equal steps, otherwise one per run of adjacent used
 members with equal steps. Frozen parameters (``requires_grad=False`` at construction) are left out of
