@@ -232,9 +232,21 @@ def replica_average(dl: StreamingDiLoCo, *, keep: bool = True, tag: str = "avera
     A fragment's pseudo-gradient still in flight is waited for first (so the average's collectives come in the
     same order on every rank) and is not applied; so are the inner optimizer's writes still in flight (the
     all-gathers of ``ShardedOptimizer(param_gather="forward")``, :meth:`StreamingDiLoCo.wait_for_inner_writes`).
-    With one replica: a host copy of its model (gathered when sharded). The live model is not changed."""
+    With one replica: a host copy of its model (gathered when sharded). The live model is not changed.
+
+    Raises:
+        ValueError: ``dl`` syncs through another membership than the static one (torchft's: replica groups
+            are separate launches that meet only at quorums, so there is no group to average over outside one;
+            raised on every rank alike, before any collective). Keep each group's own ``dl.model`` there.
+    """
     from lowband.parallel.unshard import holds_shards, unsharded_copy
 
+    kind = getattr(dl.membership, "name", type(dl.membership).__name__)
+    if kind != "static":
+        raise ValueError(
+            f"averaged_model: this StreamingDiLoCo syncs through the {kind!r} membership, whose replica groups are "
+            "separate launches that meet only at quorums; there is no replica group to average over outside one. "
+            "Keep each group's own model (dl.model), as python -m lowband.train does with ft.enabled")
     dl.wait_inflight()
     dl.wait_for_inner_writes()  # ShardedOptimizer(param_gather="forward"): its updated slices still landing
     live = dl.model

@@ -784,7 +784,8 @@ class StreamingDiLoCo:
         every rank of every replica alike, at the same step. A pseudo-gradient in flight is waited for and not
         applied; the live model is not changed. See :func:`lowband.diloco.average.replica_average` (tags
         ``average:digests``, 32 bytes per segment of at least 64 elements, and ``average``, at most the bytes of
-        one fp32 all-reduce of the model)."""
+        one fp32 all-reduce of the model). Refused (``ValueError``) under torchft's membership, whose groups meet
+        only at quorums."""
         from lowband.diloco.average import replica_average
 
         return replica_average(self, keep=keep)

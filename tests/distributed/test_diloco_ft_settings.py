@@ -55,7 +55,12 @@ def _replica(replica: int, lighthouse: str, cfg: dict[str, Any], out: Any) -> No
             inner.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
             inner.step()
-        result = ("done", replica, (diloco.committed, len(heals), [g.clone() for g in diloco.globals[0]]))
+        try:  # no replica group to average over outside a quorum: refused, before any collective
+            diloco.averaged_model()
+            refusal = ""
+        except ValueError as e:
+            refusal = str(e)
+        result = ("done", replica, (diloco.committed, len(heals), [g.clone() for g in diloco.globals[0]], refusal))
     except ValueError as e:
         result = ("refused", replica, str(e))
     checks = [(r.op, r.wire_bytes) for r in ledger.select(tag="diloco:settings")]
@@ -111,9 +116,10 @@ def test_groups_with_other_settings_are_refused_on_every_group_naming_the_settin
 
 def test_groups_with_the_same_settings_check_once_per_quorum_and_train() -> None:
     results = _run({"wire": ["int8", "int8"], "width": [8, 8], "target": 3})
-    for replica, (kind, (step, _heals, _globals), checks) in results.items():
+    for replica, (kind, (step, _heals, _globals, refusal), checks) in results.items():
         assert kind == "done" and step == 3, (replica, step)
         assert len(checks) == 1, checks  # one quorum throughout: checked at its first sync only
+        assert "averaged_model: this StreamingDiLoCo syncs through the 'ft' membership" in refusal, refusal
 
 
 def test_without_init_sync_groups_must_start_equal_and_none_heals_at_step_0() -> None:
@@ -125,7 +131,7 @@ def test_without_init_sync_groups_must_start_equal_and_none_heals_at_step_0() ->
         assert kind == "refused", (replica, message)
         assert "replica groups disagree on the weights at step 0 (torchft init_sync off" in message, message
     same = _run({"wire": ["int8", "int8"], "width": [8, 8], "target": 3, "init_sync": False, "seeds": [5, 5]})
-    (k0, (s0, h0, g0), _), (k1, (s1, h1, g1), _) = same[0], same[1]
+    (k0, (s0, h0, g0, _), _), (k1, (s1, h1, g1, _), _) = same[0], same[1]
     assert k0 == k1 == "done" and s0 == s1 == 3 and h0 == h1 == 0, (same[0][:2], same[1][:2])
     assert all(torch.equal(a, b) for a, b in zip(g0, g1, strict=True))
 
