@@ -9,7 +9,8 @@ of one replica's model.
 Communication, over the replica group (every rank of every replica alike, in the same order):
 
 * each floating-point parameter and buffer (tied ones once) is cut into segments of whole rows (a 1-d tensor's
-  rows are its elements), at least :data:`SEGMENT_MIN_ELEMS` elements; one all-reduce (max, tag
+  rows are its elements), at least :data:`SEGMENT_MIN_ELEMS` elements (a row longer than
+  :data:`SEGMENT_MAX_ELEMS` is cut into pieces of that many); one all-reduce (max, tag
   ``<tag>:digests``) of every segment's two digests (:func:`lowband.diloco.row_digest.row_digest_pairs`) and their
   negation, 32 bytes per segment (1/8 of the bytes of 64 fp32 elements; a tensor of fewer elements is one
   segment), finds the segments equal on every replica;
@@ -39,8 +40,8 @@ from torch import nn
 if TYPE_CHECKING:
     from lowband.diloco.streaming import StreamingDiLoCo
 
-__all__ = ["AVERAGE_BUCKET_BYTES", "SEGMENT_MIN_ELEMS", "average_modules", "average_tensors", "replica_average",
-           "segment_length"]
+__all__ = ["AVERAGE_BUCKET_BYTES", "SEGMENT_MAX_ELEMS", "SEGMENT_MIN_ELEMS", "average_modules", "average_tensors",
+           "replica_average", "segment_length"]
 
 
 AVERAGE_BUCKET_BYTES = 16 << 20
@@ -85,15 +86,23 @@ SEGMENT_MIN_ELEMS = 64
 """The fewest elements of one compared segment (below a tensor's whole rows): a row of fewer elements is
 compared together with the rows after it, so the digests cost at most 32 bytes per 64 elements."""
 
+SEGMENT_MAX_ELEMS = 1 << 16
+"""The most elements of one compared segment: a row longer than this is cut into flat pieces of this many
+elements, so hashing a segment never widens more than this many words at once (one very wide row, a ``[1, N]``
+weight, would otherwise need several int64 copies of the whole tensor on its device)."""
+
 
 def segment_length(t: torch.Tensor) -> int:
     """Elements of one compared segment of ``t``: whole rows (along dimension 0; a 1-d tensor's rows are its
-    elements, a 0-d tensor is one), as few as give at least :data:`SEGMENT_MIN_ELEMS` elements; ``t``'s flat
-    elements are cut into segments of that length (the last one may be shorter)."""
+    elements, a 0-d tensor is one), as few as give at least :data:`SEGMENT_MIN_ELEMS` elements, or
+    :data:`SEGMENT_MAX_ELEMS` for rows longer than that; ``t``'s flat elements are cut into segments of that
+    length (the last one may be shorter)."""
     n = t.numel()
     if n == 0:
         return 1
     cols = n // t.shape[0] if t.dim() >= 1 else 1
+    if cols > SEGMENT_MAX_ELEMS:
+        return SEGMENT_MAX_ELEMS
     return cols * -(-SEGMENT_MIN_ELEMS // cols)
 
 

@@ -34,6 +34,7 @@ class _Adapted(nn.Module):
         self.adapter = nn.Linear(8, 8, bias=False)
         self.head = nn.Linear(8, 3)
         self.register_buffer("scale", torch.rand(8) + 0.5)
+        self.register_buffer("wide", torch.rand(1, 70_000))  # one row longer than a segment: cut in two
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.base(x) * self.scale)
@@ -74,7 +75,8 @@ def test_averaged_model_of_three_replicas() -> None:
     assert out[0]["avg_device"] == "cpu" and all(o["avg"] is None for o in out[1:])
     assert all(o["untouched"] for o in out)
     assert sorted(avg) == sorted(lives[0])
-    for k in ("base.weight", "base.bias", "scale", "head.weight", "head.bias"):  # shared: frozen, buffer, synced
+    assert segment_length(lives[0]["wide"]) == 65_536  # SEGMENT_MAX_ELEMS
+    for k in ("base.weight", "base.bias", "scale", "wide", "head.weight", "head.bias"):  # frozen, buffers, synced
         assert all(torch.equal(live[k], lives[0][k]) for live in lives), k
     assert not torch.equal(lives[0]["adapter.weight"], lives[1]["adapter.weight"])  # local steps since its sync
     differ = check_average(avg, lives)
