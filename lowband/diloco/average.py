@@ -147,8 +147,9 @@ def _differing_ranges(comm: Any, src: list[torch.Tensor], device: torch.device, 
 @torch.no_grad()
 def average_tensors(comm: Any, src: list[torch.Tensor], dst: list[torch.Tensor] | None, *, device: torch.device,
                     acc: torch.dtype, bucket_bytes: int = AVERAGE_BUCKET_BYTES, tag: str = "average") -> None:
-    """Write into ``dst`` (tensors of ``src``'s shapes, on any device, or ``src`` itself; ``None`` on a rank that
-    keeps nothing) the average over ``comm`` of ``src``, exactly ``src`` wherever every rank holds the same bits.
+    """Make ``dst`` the average over ``comm`` of ``src``, exactly ``src`` wherever every rank holds the same bits.
+    ``dst`` holds ``src``'s values already: a copy of it on any device (what :func:`lowband.parallel.unsharded_copy`
+    makes) or ``src`` itself; ``None`` on a rank that keeps nothing. Only the segments that differ are written.
 
     Collective, every rank alike: first the digests of every segment (:func:`_differing_ranges`, whole rows of at
     least :data:`SEGMENT_MIN_ELEMS` elements), then the segments that differ on some rank, laid end to end,
@@ -159,10 +160,6 @@ def average_tensors(comm: Any, src: list[torch.Tensor], dst: list[torch.Tensor] 
     the ranks' values (on 2 ranks ``(a + b) / 2`` exactly, in either order)."""
     if dst is not None and [t.shape for t in dst] != [t.shape for t in src]:
         raise ValueError("average: the copy's tensors do not match the model's")  # a bug, never a user's input
-    if dst is not None:
-        for d, t in zip(dst, src, strict=True):
-            if d is not t:
-                d.copy_(t)
     if not src or comm.size == 1:
         return
     ranges = _differing_ranges(comm, src, device, tag)
@@ -187,8 +184,8 @@ def average_tensors(comm: Any, src: list[torch.Tensor], dst: list[torch.Tensor] 
 def average_modules(comm: Any, source: nn.Module, dest: nn.Module | None, *, device: torch.device | None = None,
                     bucket_bytes: int = AVERAGE_BUCKET_BYTES, tag: str = "average") -> None:
     """:func:`average_tensors` of ``source``'s floating-point parameters and buffers (registration order, tied
-    ones once) into ``dest``'s (a module of ``source``'s structure, ``source`` itself, or ``None``), on ``device``
-    (default: ``source``'s)."""
+    ones once) into ``dest``'s (a copy of ``source``, ``source`` itself, or ``None``), on ``device`` (default:
+    ``source``'s)."""
     src = _tensors(source)
     if not src:
         return
